@@ -1,0 +1,8 @@
+//! Compiles `proto/wrk.proto` with `protox` (pure Rust), so no system `protoc` is needed.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto/wrk.proto");
+    let descriptors = protox::compile(["proto/wrk.proto"], ["proto"])?;
+    tonic_prost_build::configure().compile_fds(descriptors)?;
+    Ok(())
+}
