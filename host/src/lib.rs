@@ -1,1 +1,20 @@
-//! placeholder
+//! `wrk-host`: the worker runtime.
+//!
+//! A worker runs `wrk:task` WebAssembly components (see `wit/`) in wasmtime, gives them handles
+//! to tables held in its memory, executes their operators natively on its device backend, keeps
+//! task outputs keyed by job/stage/task/output, serves them to peers, and talks to the scheduler.
+//!
+//! - [`engine`]: compiling, caching and running components with limits.
+//! - [`guest_api`]: the host side of the WIT interfaces.
+//! - [`expr`], [`table`], [`cpu`]: expressions, tables and the CPU (Arrow) backend.
+//! - [`io`]: Parquet sources and sinks.
+//! - [`store`]: the worker's partitions.
+//! - [`worker`]: the worker process: scheduler channel, task execution, peer data service.
+
+pub mod cpu;
+pub mod engine;
+pub mod expr;
+pub mod guest_api;
+pub mod io;
+pub mod limits;
+pub mod table;

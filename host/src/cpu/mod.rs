@@ -1,0 +1,6 @@
+//! The CPU backend: expressions and table operators over Arrow arrays in host memory.
+//!
+//! Used when a worker has no GPU; it is also the reference the CUDA backend is tested against.
+
+pub mod eval;
+pub mod ops;

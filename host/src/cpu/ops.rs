@@ -1,0 +1,433 @@
+//! Table operators of the CPU backend: select, filter, with-columns, concat, slice and hash
+//! group-by, each over one Arrow `RecordBatch`.
+
+use std::collections::HashMap;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use arrow::array::{
+    Array, ArrayRef, AsArray, Float64Array, Int64Array, PrimitiveArray, UInt32Array, UInt64Array,
+};
+use arrow::compute;
+use arrow::datatypes::{
+    ArrowPrimitiveType, DataType, Field, Float64Type, Int64Type, Schema, UInt64Type,
+};
+use arrow::record_batch::RecordBatch;
+use arrow::row::{RowConverter, SortField};
+
+use crate::expr::{Expr, ExprError, column_list};
+
+use super::eval;
+
+/// Why a table operator cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    #[error(transparent)]
+    Expr(#[from] ExprError),
+    #[error("unknown column `{column}` in {operator} (the table has: {available})")]
+    UnknownColumn {
+        operator: &'static str,
+        column: String,
+        available: String,
+    },
+    #[error("{operator}: {detail}")]
+    Invalid {
+        operator: &'static str,
+        detail: String,
+    },
+    #[error("{operator} failed: {source}")]
+    Arrow {
+        operator: &'static str,
+        source: arrow::error::ArrowError,
+    },
+}
+
+fn arrow_err(operator: &'static str) -> impl FnOnce(arrow::error::ArrowError) -> OpError {
+    move |source| OpError::Arrow { operator, source }
+}
+
+fn column_index(batch: &RecordBatch, operator: &'static str, name: &str) -> Result<usize, OpError> {
+    batch
+        .schema()
+        .index_of(name)
+        .map_err(|_| OpError::UnknownColumn {
+            operator,
+            column: name.to_string(),
+            available: column_list(&batch.schema()),
+        })
+}
+
+/// The named columns, in the order given.
+pub fn select(batch: &RecordBatch, columns: &[String]) -> Result<RecordBatch, OpError> {
+    let indices = columns
+        .iter()
+        .map(|name| column_index(batch, "select", name))
+        .collect::<Result<Vec<_>, _>>()?;
+    batch.project(&indices).map_err(arrow_err("select"))
+}
+
+/// The rows where `predicate` is true.
+pub fn filter(batch: &RecordBatch, predicate: &Expr) -> Result<RecordBatch, OpError> {
+    let mask = eval::evaluate_predicate(predicate, batch)?;
+    compute::filter_record_batch(batch, &mask).map_err(arrow_err("filter"))
+}
+
+/// Adds or replaces columns, every expression evaluated against the input batch.
+pub fn with_columns(batch: &RecordBatch, columns: &[(String, &Expr)]) -> Result<RecordBatch, OpError> {
+    let mut fields: Vec<Arc<Field>> = batch.schema().fields().iter().cloned().collect();
+    let mut arrays: Vec<ArrayRef> = batch.columns().to_vec();
+    for (name, expr) in columns {
+        let array = eval::evaluate(expr, batch)?;
+        let field = Arc::new(Field::new(name, array.data_type().clone(), array.null_count() > 0));
+        match fields.iter().position(|f| f.name() == name) {
+            Some(i) => {
+                fields[i] = field;
+                arrays[i] = array;
+            }
+            None => {
+                fields.push(field);
+                arrays.push(array);
+            }
+        }
+    }
+    RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays).map_err(arrow_err("with-columns"))
+}
+
+/// Concatenates batches whose columns have the same names and types.
+pub fn concat(batches: &[&RecordBatch]) -> Result<RecordBatch, OpError> {
+    let Some(first) = batches.first() else {
+        return Err(OpError::Invalid {
+            operator: "concat",
+            detail: "no tables to concatenate".into(),
+        });
+    };
+    let schema = first.schema();
+    for (i, batch) in batches.iter().enumerate().skip(1) {
+        let other = batch.schema();
+        let same = schema.fields().len() == other.fields().len()
+            && schema
+                .fields()
+                .iter()
+                .zip(other.fields())
+                .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
+        if !same {
+            return Err(OpError::Invalid {
+                operator: "concat",
+                detail: format!(
+                    "table {i} has columns ({}) but table 0 has ({})",
+                    describe(&other),
+                    describe(&schema)
+                ),
+            });
+        }
+    }
+    let nullable: Vec<Arc<Field>> = schema
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let any_nullable = batches.iter().any(|b| b.schema().field(i).is_nullable());
+            Arc::new(f.as_ref().clone().with_nullable(any_nullable))
+        })
+        .collect();
+    let schema = Arc::new(Schema::new(nullable));
+    let columns = (0..schema.fields().len())
+        .map(|i| {
+            let arrays: Vec<&dyn Array> = batches.iter().map(|b| b.column(i).as_ref()).collect();
+            compute::concat(&arrays)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(arrow_err("concat"))?;
+    RecordBatch::try_new(schema, columns).map_err(arrow_err("concat"))
+}
+
+fn describe(schema: &Schema) -> String {
+    let parts: Vec<String> = schema
+        .fields()
+        .iter()
+        .map(|f| format!("{}: {}", f.name(), f.data_type()))
+        .collect();
+    parts.join(", ")
+}
+
+/// Rows `offset..offset + length`, clamped to the table.
+pub fn slice(batch: &RecordBatch, offset: u64, length: u64) -> RecordBatch {
+    let rows = batch.num_rows();
+    let offset = usize::try_from(offset).unwrap_or(usize::MAX).min(rows);
+    let length = usize::try_from(length).unwrap_or(usize::MAX).min(rows - offset);
+    batch.slice(offset, length)
+}
+
+/// An aggregate function of a group-by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AggregateFn {
+    Sum,
+    Count,
+    Mean,
+    Min,
+    Max,
+    CountDistinct,
+}
+
+#[derive(Debug, Clone)]
+pub struct Aggregate {
+    pub column: String,
+    pub function: AggregateFn,
+    pub alias: String,
+}
+
+/// Hash group-by: one row per distinct combination of `keys` (nulls form their own group), the
+/// key columns first, then one column per aggregate. Groups appear in order of first occurrence.
+pub fn group_by(batch: &RecordBatch, keys: &[String], aggregates: &[Aggregate]) -> Result<RecordBatch, OpError> {
+    const OP: &str = "group-by";
+    if keys.is_empty() {
+        return Err(OpError::Invalid {
+            operator: OP,
+            detail: "at least one key column is needed".into(),
+        });
+    }
+    let key_indices = keys
+        .iter()
+        .map(|k| column_index(batch, OP, k))
+        .collect::<Result<Vec<_>, _>>()?;
+    let key_arrays: Vec<ArrayRef> = key_indices.iter().map(|&i| batch.column(i).clone()).collect();
+    let (group_of_row, first_rows) = assign_groups(&key_arrays).map_err(arrow_err(OP))?;
+    let groups = first_rows.len();
+
+    let schema = batch.schema();
+    let mut fields: Vec<Field> = key_indices.iter().map(|&i| schema.field(i).clone()).collect();
+    let first_rows = UInt32Array::from(first_rows);
+    let mut columns: Vec<ArrayRef> = key_arrays
+        .iter()
+        .map(|a| compute::take(a, &first_rows, None))
+        .collect::<Result<_, _>>()
+        .map_err(arrow_err(OP))?;
+
+    for aggregate in aggregates {
+        let values = batch.column(column_index(batch, OP, &aggregate.column)?);
+        let result = aggregate_column(values, &group_of_row, groups, aggregate.function).map_err(|detail| {
+            OpError::Invalid {
+                operator: OP,
+                detail: format!("{:?} of column `{}`: {detail}", aggregate.function, aggregate.column),
+            }
+        })?;
+        fields.push(Field::new(&aggregate.alias, result.data_type().clone(), result.null_count() > 0));
+        columns.push(result);
+    }
+    RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).map_err(arrow_err(OP))
+}
+
+/// Maps each row to a dense group id; returns the ids and the first row of every group.
+fn assign_groups(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), arrow::error::ArrowError> {
+    let fields = keys.iter().map(|a| SortField::new(a.data_type().clone())).collect();
+    let converter = RowConverter::new(fields)?;
+    let rows = converter.convert_columns(keys)?;
+    let mut ids: HashMap<&[u8], u32> = HashMap::new();
+    let mut group_of_row = Vec::with_capacity(rows.num_rows());
+    let mut first_rows = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        let next = first_rows.len() as u32;
+        let id = *ids.entry(row.data()).or_insert_with(|| {
+            first_rows.push(i as u32);
+            next
+        });
+        group_of_row.push(id);
+    }
+    Ok((group_of_row, first_rows))
+}
+
+fn aggregate_column(
+    values: &ArrayRef,
+    group_of_row: &[u32],
+    groups: usize,
+    function: AggregateFn,
+) -> Result<ArrayRef, String> {
+    let data_type = values.data_type();
+    match function {
+        AggregateFn::Count => {
+            let mut counts = vec![0i64; groups];
+            for (row, &g) in group_of_row.iter().enumerate() {
+                if values.is_valid(row) {
+                    counts[g as usize] += 1;
+                }
+            }
+            Ok(Arc::new(Int64Array::from(counts)))
+        }
+        AggregateFn::CountDistinct => {
+            let converter = RowConverter::new(vec![SortField::new(data_type.clone())]).map_err(|e| e.to_string())?;
+            let rows = converter.convert_columns(&[values.clone()]).map_err(|e| e.to_string())?;
+            let mut seen: Vec<HashSet<&[u8]>> = vec![HashSet::new(); groups];
+            for (row, &g) in group_of_row.iter().enumerate() {
+                if values.is_valid(row) {
+                    seen[g as usize].insert(rows.row(row).data());
+                }
+            }
+            Ok(Arc::new(Int64Array::from_iter_values(seen.iter().map(|s| s.len() as i64))))
+        }
+        AggregateFn::Mean => {
+            let values = compute::cast(values, &DataType::Float64).map_err(|e| e.to_string())?;
+            let values = values.as_primitive::<Float64Type>();
+            let mut sums = vec![0f64; groups];
+            let mut counts = vec![0u64; groups];
+            for (row, &g) in group_of_row.iter().enumerate() {
+                if values.is_valid(row) {
+                    sums[g as usize] += values.value(row);
+                    counts[g as usize] += 1;
+                }
+            }
+            Ok(Arc::new(Float64Array::from_iter(
+                sums.iter().zip(&counts).map(|(s, &c)| (c > 0).then(|| s / c as f64)),
+            )))
+        }
+        AggregateFn::Sum | AggregateFn::Min | AggregateFn::Max => {
+            if !data_type.is_numeric() {
+                return Err(format!("needs a numeric column, found {data_type}"));
+            }
+            let fold = |acc: Option<f64>, v: f64| -> f64 { fold_f64(function, acc, v) };
+            if data_type.is_floating() {
+                let values = compute::cast(values, &DataType::Float64).map_err(|e| e.to_string())?;
+                let out = reduce::<Float64Type>(values.as_primitive(), group_of_row, groups, fold);
+                finish(function, Arc::new(out), data_type)
+            } else if data_type.is_unsigned_integer() {
+                let values = compute::cast(values, &DataType::UInt64).map_err(|e| e.to_string())?;
+                let out = reduce::<UInt64Type>(values.as_primitive(), group_of_row, groups, |acc, v| {
+                    match (function, acc) {
+                        (_, None) => v,
+                        (AggregateFn::Sum, Some(a)) => a.wrapping_add(v),
+                        (AggregateFn::Min, Some(a)) => a.min(v),
+                        (_, Some(a)) => a.max(v),
+                    }
+                });
+                finish(function, Arc::new(out), data_type)
+            } else {
+                let values = compute::cast(values, &DataType::Int64).map_err(|e| e.to_string())?;
+                let out = reduce::<Int64Type>(values.as_primitive(), group_of_row, groups, |acc, v| {
+                    match (function, acc) {
+                        (_, None) => v,
+                        (AggregateFn::Sum, Some(a)) => a.wrapping_add(v),
+                        (AggregateFn::Min, Some(a)) => a.min(v),
+                        (_, Some(a)) => a.max(v),
+                    }
+                });
+                finish(function, Arc::new(out), data_type)
+            }
+        }
+    }
+}
+
+fn fold_f64(function: AggregateFn, acc: Option<f64>, v: f64) -> f64 {
+    match (function, acc) {
+        (_, None) => v,
+        (AggregateFn::Sum, Some(a)) => a + v,
+        (AggregateFn::Min, Some(a)) => a.min(v),
+        (_, Some(a)) => a.max(v),
+    }
+}
+
+/// Folds the valid values of each group; groups with no valid value are null.
+fn reduce<T: ArrowPrimitiveType>(
+    values: &PrimitiveArray<T>,
+    group_of_row: &[u32],
+    groups: usize,
+    fold: impl Fn(Option<T::Native>, T::Native) -> T::Native,
+) -> PrimitiveArray<T> {
+    let mut acc: Vec<Option<T::Native>> = vec![None; groups];
+    for (row, &g) in group_of_row.iter().enumerate() {
+        if values.is_valid(row) {
+            let slot = &mut acc[g as usize];
+            *slot = Some(fold(*slot, values.value(row)));
+        }
+    }
+    PrimitiveArray::<T>::from_iter(acc)
+}
+
+/// Min and max keep the input's type; sums stay 64-bit.
+fn finish(function: AggregateFn, out: ArrayRef, input: &DataType) -> Result<ArrayRef, String> {
+    match function {
+        AggregateFn::Min | AggregateFn::Max => compute::cast(&out, input).map_err(|e| e.to_string()),
+        _ => Ok(out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int32Array, StringArray};
+
+    fn batch() -> RecordBatch {
+        let schema = Schema::new(vec![
+            Field::new("k", DataType::Utf8, true),
+            Field::new("n", DataType::Int32, true),
+            Field::new("x", DataType::Float64, true),
+        ]);
+        RecordBatch::try_new(
+            Arc::new(schema),
+            vec![
+                Arc::new(StringArray::from(vec![Some("a"), Some("b"), Some("a"), None, Some("b")])),
+                Arc::new(Int32Array::from(vec![Some(1), Some(2), Some(3), Some(4), None])),
+                Arc::new(Float64Array::from(vec![1.0, 2.0, 3.0, 4.0, 2.0])),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn agg(column: &str, function: AggregateFn, alias: &str) -> Aggregate {
+        Aggregate {
+            column: column.into(),
+            function,
+            alias: alias.into(),
+        }
+    }
+
+    #[test]
+    fn group_by_string_key_with_every_aggregate() {
+        let out = group_by(
+            &batch(),
+            &["k".into()],
+            &[
+                agg("n", AggregateFn::Sum, "n_sum"),
+                agg("n", AggregateFn::Count, "n_count"),
+                agg("x", AggregateFn::Mean, "x_mean"),
+                agg("n", AggregateFn::Min, "n_min"),
+                agg("x", AggregateFn::Max, "x_max"),
+                agg("x", AggregateFn::CountDistinct, "x_distinct"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(out.num_rows(), 3);
+        let keys = out.column(0).as_string::<i32>();
+        assert_eq!((keys.value(0), keys.value(1)), ("a", "b"));
+        assert!(keys.is_null(2));
+        let sums = out.column(1).as_primitive::<Int64Type>();
+        assert_eq!((sums.value(0), sums.value(1), sums.value(2)), (4, 2, 4));
+        let counts = out.column(2).as_primitive::<Int64Type>();
+        assert_eq!(counts.values(), &[2, 1, 1]);
+        let means = out.column(3).as_primitive::<Float64Type>();
+        assert_eq!(means.values(), &[2.0, 2.0, 4.0]);
+        assert_eq!(out.column(4).data_type(), &DataType::Int32);
+        let distinct = out.column(6).as_primitive::<Int64Type>();
+        assert_eq!(distinct.values(), &[2, 1, 1]);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = group_by(&batch(), &["kk".into()], &[]).unwrap_err().to_string();
+        assert!(err.contains("`kk`") && err.contains("group-by") && err.contains("k, n, x"), "{err}");
+    }
+
+    #[test]
+    fn concat_rejects_mismatched_schemas_naming_both() {
+        let a = batch();
+        let b = select(&a, &["k".into()]).unwrap();
+        let err = concat(&[&a, &b]).unwrap_err().to_string();
+        assert!(err.contains("table 1 has columns (k: Utf8)"), "{err}");
+        let twice = concat(&[&a, &a]).unwrap();
+        assert_eq!(twice.num_rows(), 10);
+    }
+
+    #[test]
+    fn slice_is_clamped() {
+        assert_eq!(slice(&batch(), 3, 100).num_rows(), 2);
+        assert_eq!(slice(&batch(), 30, 1).num_rows(), 0);
+    }
+}

@@ -1,0 +1,461 @@
+//! The wasmtime engine that runs `wrk:task` components: pooling allocation, components compiled
+//! once per content hash (cached in memory and on disk), per-task limits (epoch deadline, memory
+//! cap) and the classification of every way a task can fail.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, Linker, Resource, types::ComponentItem};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap};
+use wasmtime_wasi::WasiCtxBuilder;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+
+use crate::guest_api::bindings::{Task, TaskPre};
+use crate::guest_api::{CopyStats, TaskInfo, TaskState, WIT_PACKAGE, WIT_VERSION};
+use crate::limits::{MemoryLimitExceeded, MemoryLimiter};
+use crate::table::Table;
+
+/// How often the epoch advances; task deadlines are counted in these ticks.
+const EPOCH_TICK: Duration = Duration::from_millis(10);
+/// Guest stdout and stderr kept for error reports (a panic message, say).
+const GUEST_OUTPUT_BYTES: usize = 64 * 1024;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Where compiled components are kept between runs; `None` keeps them in memory only.
+    pub cache_dir: Option<PathBuf>,
+    /// Tasks that may run at once on this engine (sizes the instance pool).
+    pub max_concurrent_tasks: u32,
+    pub default_task_memory: u64,
+    pub default_task_timeout: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            cache_dir: None,
+            max_concurrent_tasks: 16,
+            default_task_memory: 1 << 30,
+            default_task_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Limits for one task attempt.
+#[derive(Debug, Clone, Copy)]
+pub struct TaskLimits {
+    pub memory_bytes: u64,
+    pub timeout: Duration,
+}
+
+/// Everything that can go wrong preparing or running a task; each names the module.
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    #[error("module `{module}` is not a valid wrk:task component: {detail}")]
+    InvalidModule { module: String, detail: String },
+    #[error("module `{module}` was built against {found}, but this worker implements {WIT_PACKAGE}@{WIT_VERSION}: rebuild it with a compatible wrk-sdk")]
+    IncompatibleWit { module: String, found: String },
+    #[error("module `{module}` does not match its hash: expected {expected}, got {actual}")]
+    HashMismatch {
+        module: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("module `{module}` trapped: {trap}{}", guest_output_suffix(.guest_output))]
+    Trap {
+        module: String,
+        trap: String,
+        guest_output: String,
+    },
+    #[error("module `{module}` exceeded its time limit of {limit:?} and was stopped")]
+    Timeout { module: String, limit: Duration },
+    #[error("module `{module}` was stopped: {source}")]
+    MemoryLimit {
+        module: String,
+        source: MemoryLimitExceeded,
+    },
+    #[error("module `{module}` returned an error ({code}): {message}")]
+    Guest {
+        module: String,
+        code: String,
+        message: String,
+    },
+    #[error("the worker failed running module `{module}`: {detail}")]
+    Host { module: String, detail: String },
+}
+
+fn guest_output_suffix(output: &str) -> String {
+    if output.trim().is_empty() {
+        String::new()
+    } else {
+        format!("; guest output: {}", output.trim())
+    }
+}
+
+/// A component compiled and linked against the host, ready to instantiate cheaply.
+pub struct CompiledTask {
+    pre: TaskPre<TaskState>,
+    pub name: String,
+    pub hash: String,
+}
+
+/// What a successful task produced.
+#[derive(Debug)]
+pub struct TaskRun {
+    pub outputs: Vec<Table>,
+    pub copies: CopyStats,
+    pub guest_memory_peak: usize,
+    /// Instantiation time (the compiled component was already at hand).
+    pub instantiate: Duration,
+    pub duration: Duration,
+}
+
+/// Advances the engine's epoch on a background thread until dropped.
+struct EpochTicker {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EpochTicker {
+    fn start(engine: Engine) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("wrk-epoch".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    engine.increment_epoch();
+                }
+            })
+            .ok();
+        EpochTicker { stop, thread }
+    }
+}
+
+impl Drop for EpochTicker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Compiles, caches and runs task components.
+pub struct TaskEngine {
+    engine: Engine,
+    linker: Linker<TaskState>,
+    compiled: Mutex<HashMap<String, Arc<CompiledTask>>>,
+    cache_dir: Option<PathBuf>,
+    config: EngineConfig,
+    _ticker: EpochTicker,
+}
+
+/// Lower-case hex SHA-256 of a module's bytes: its identity everywhere in `wrk`.
+pub fn module_hash(wasm: &[u8]) -> String {
+    hex::encode(Sha256::digest(wasm))
+}
+
+impl TaskEngine {
+    pub fn new(config: EngineConfig) -> anyhow::Result<Self> {
+        let mut pool = PoolingAllocationConfig::default();
+        let components = config.max_concurrent_tasks.max(1) * 2 + 4;
+        pool.total_component_instances(components)
+            .total_core_instances(components * 16)
+            .total_memories(components * 4)
+            .total_tables(components * 8)
+            .max_memory_size(config.default_task_memory.max(64 << 20) as usize * 4);
+        let mut wasm_config = Config::new();
+        wasm_config
+            .wasm_component_model(true)
+            .epoch_interruption(true)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&wasm_config)?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+        Task::add_to_linker::<TaskState, wasmtime::component::HasSelf<TaskState>>(&mut linker, |s| s)?;
+        let cache_dir = match &config.cache_dir {
+            Some(dir) => {
+                let mut hasher = DefaultHasher::new();
+                engine.precompile_compatibility_hash().hash(&mut hasher);
+                let dir = dir.join(format!("{:016x}", hasher.finish()));
+                std::fs::create_dir_all(&dir)?;
+                Some(dir)
+            }
+            None => None,
+        };
+        Ok(TaskEngine {
+            _ticker: EpochTicker::start(engine.clone()),
+            engine,
+            linker,
+            compiled: Mutex::new(HashMap::new()),
+            cache_dir,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The compiled component for `hash`, if this engine already has it in memory.
+    pub fn cached(&self, hash: &str) -> Option<Arc<CompiledTask>> {
+        self.compiled.lock().ok()?.get(hash).cloned()
+    }
+
+    /// Compiles `wasm` (or loads it from the disk cache) and links it; once per content hash.
+    pub fn prepare(&self, name: &str, hash: &str, wasm: &[u8]) -> Result<Arc<CompiledTask>, TaskError> {
+        if let Some(done) = self.cached(hash) {
+            return Ok(done);
+        }
+        let actual = module_hash(wasm);
+        if actual != hash {
+            return Err(TaskError::HashMismatch {
+                module: name.to_string(),
+                expected: hash.to_string(),
+                actual,
+            });
+        }
+        let invalid = |detail: String| TaskError::InvalidModule {
+            module: name.to_string(),
+            detail,
+        };
+        let component = self.load_component(hash, wasm).map_err(|e| invalid(format!("{e:#}")))?;
+        self.check_wit_version(name, &component)?;
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| invalid(format!("{e:#}")))?;
+        let pre = TaskPre::new(pre).map_err(|e| invalid(format!("{e:#}")))?;
+        let compiled = Arc::new(CompiledTask {
+            pre,
+            name: name.to_string(),
+            hash: hash.to_string(),
+        });
+        if let Ok(mut map) = self.compiled.lock() {
+            map.insert(hash.to_string(), compiled.clone());
+        }
+        Ok(compiled)
+    }
+
+    fn load_component(&self, hash: &str, wasm: &[u8]) -> anyhow::Result<Component> {
+        let Some(dir) = &self.cache_dir else {
+            return Component::new(&self.engine, wasm);
+        };
+        let path = dir.join(format!("{hash}.cwasm"));
+        if path.exists() {
+            // SAFETY: the file was written by `precompile_component` of an engine with the same
+            // compatibility hash (it is in the directory named after it), into a cache directory
+            // owned by this worker; a damaged file fails deserialization and is rebuilt below.
+            match unsafe { Component::deserialize_file(&self.engine, &path) } {
+                Ok(component) => return Ok(component),
+                Err(e) => tracing::warn!(path = %path.display(), "discarding unreadable compiled component: {e:#}"),
+            }
+        }
+        let component = Component::new(&self.engine, wasm)?;
+        if let Err(e) = self.store_compiled(&path, &component) {
+            tracing::warn!(path = %path.display(), "cannot cache compiled component: {e:#}");
+        }
+        Ok(component)
+    }
+
+    fn store_compiled(&self, path: &Path, component: &Component) -> anyhow::Result<()> {
+        let bytes = component.serialize()?;
+        let partial = path.with_extension("partial");
+        std::fs::write(&partial, bytes)?;
+        std::fs::rename(&partial, path)?;
+        Ok(())
+    }
+
+    /// Rejects components built against an incompatible `wrk:task` version with a clear message
+    /// (semver: same major, or same minor while the major is 0).
+    fn check_wit_version(&self, name: &str, component: &Component) -> Result<(), TaskError> {
+        let ty = component.component_type();
+        for (import, item) in ty.imports(&self.engine) {
+            if !matches!(item, ComponentItem::ComponentInstance(_)) {
+                continue;
+            }
+            let Some(rest) = import.strip_prefix(&format!("{WIT_PACKAGE}/")) else {
+                continue;
+            };
+            let version = rest.split_once('@').map(|(_, v)| v).unwrap_or("");
+            if !compatible_version(version, WIT_VERSION) {
+                return Err(TaskError::IncompatibleWit {
+                    module: name.to_string(),
+                    found: format!("{WIT_PACKAGE}@{}", if version.is_empty() { "(unversioned)" } else { version }),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one task attempt in a fresh store. Blocking: call it from a blocking thread.
+    pub fn run(
+        &self,
+        compiled: &CompiledTask,
+        info: Arc<TaskInfo>,
+        inputs: Vec<Table>,
+        limits: TaskLimits,
+    ) -> Result<TaskRun, TaskError> {
+        let started = Instant::now();
+        let module = compiled.name.clone();
+        let host_err = |e: wasmtime::Error| TaskError::Host {
+            module: module.clone(),
+            detail: format!("{e:#}"),
+        };
+        let output = MemoryOutputPipe::new(GUEST_OUTPUT_BYTES);
+        let wasi = WasiCtxBuilder::new()
+            .stdout(output.clone())
+            .stderr(output.clone())
+            .build();
+        let memory_limit = usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX);
+        let mut store = Store::new(&self.engine, TaskState::new(info, wasi, MemoryLimiter::new(memory_limit)));
+        store.limiter(|state| &mut state.limiter);
+        let ticks = (limits.timeout.as_millis() / EPOCH_TICK.as_millis()).max(1);
+        store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
+        store.epoch_deadline_trap();
+
+        let classify = |e: wasmtime::Error, store: &Store<TaskState>| {
+            classify_failure(e, &module, limits.timeout, store.data().limiter, &output)
+        };
+        let task = match compiled.pre.instantiate(&mut store) {
+            Ok(task) => task,
+            Err(e) => return Err(classify(e, &store)),
+        };
+        let instantiate = started.elapsed();
+        let handles = inputs
+            .into_iter()
+            .map(|table| store.data_mut().table.push(table))
+            .collect::<Result<Vec<Resource<Table>>, _>>()
+            .map_err(|e| host_err(e.into()))?;
+        let returned = match task.call_run(&mut store, &handles) {
+            Ok(returned) => returned,
+            Err(e) => return Err(classify(e, &store)),
+        };
+        let handles = returned.map_err(|e| TaskError::Guest {
+            module: module.clone(),
+            code: format!("{:?}", e.code).to_lowercase(),
+            message: e.message,
+        })?;
+        let state = store.data_mut();
+        let outputs = handles
+            .into_iter()
+            .map(|handle| state.table.delete(handle))
+            .collect::<Result<Vec<Table>, _>>()
+            .map_err(|e| host_err(e.into()))?;
+        Ok(TaskRun {
+            outputs,
+            copies: state.copies,
+            guest_memory_peak: state.limiter.peak,
+            instantiate,
+            duration: started.elapsed(),
+        })
+    }
+}
+
+fn classify_failure(
+    error: wasmtime::Error,
+    module: &str,
+    timeout: Duration,
+    limiter: MemoryLimiter,
+    output: &MemoryOutputPipe,
+) -> TaskError {
+    let module = module.to_string();
+    if let Some(exceeded) = error.chain().find_map(|e| e.downcast_ref::<MemoryLimitExceeded>()) {
+        return TaskError::MemoryLimit {
+            module,
+            source: *exceeded,
+        };
+    }
+    let guest_output = tail(&output.contents());
+    match error.chain().find_map(|e| e.downcast_ref::<Trap>()) {
+        Some(Trap::Interrupt) => TaskError::Timeout { module, limit: timeout },
+        Some(trap) => {
+            // The guest's allocator aborts when memory.grow fails at the pool's hard cap.
+            let near_cap = limiter.peak + (64 << 20) >= limiter.memory_limit;
+            if *trap == Trap::UnreachableCodeReached && near_cap && guest_output.is_empty() {
+                return TaskError::MemoryLimit {
+                    module,
+                    source: MemoryLimitExceeded {
+                        requested: limiter.peak,
+                        limit: limiter.memory_limit,
+                    },
+                };
+            }
+            TaskError::Trap {
+                module,
+                trap: trap.to_string(),
+                guest_output,
+            }
+        }
+        None => TaskError::Trap {
+            module,
+            trap: format!("{error:#}"),
+            guest_output,
+        },
+    }
+}
+
+/// The last few lines a guest printed.
+fn tail(bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let start = text.len().saturating_sub(2000);
+    let start = (start..text.len()).find(|&i| text.is_char_boundary(i)).unwrap_or(text.len());
+    text[start..].trim().to_string()
+}
+
+/// Whether a component built against `found` runs on a host implementing `ours`.
+fn compatible_version(found: &str, ours: &str) -> bool {
+    let parse = |v: &str| -> Option<(u64, u64)> {
+        let mut parts = v.split('.');
+        Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+    };
+    match (parse(found), parse(ours)) {
+        (Some((0, found_minor)), Some((0, our_minor))) => found_minor == our_minor,
+        (Some((found_major, _)), Some((our_major, _))) => found_major == our_major,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn semver_compatibility_of_wit_versions() {
+        assert!(compatible_version("0.1.0", "0.1.0"));
+        assert!(compatible_version("0.1.7", "0.1.0"));
+        assert!(!compatible_version("0.2.0", "0.1.0"));
+        assert!(!compatible_version("1.0.0", "0.1.0"));
+        assert!(!compatible_version("", "0.1.0"));
+        assert!(compatible_version("1.4.0", "1.0.0"));
+    }
+
+    #[test]
+    fn garbage_bytes_are_an_invalid_module_naming_it() {
+        let engine = TaskEngine::new(EngineConfig::default()).unwrap();
+        let wasm = b"\0asm definitely not a component";
+        let err = match engine.prepare("broken.wasm", &module_hash(wasm), wasm) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("garbage compiled"),
+        };
+        assert!(err.contains("module `broken.wasm` is not a valid wrk:task component"), "{err}");
+    }
+
+    #[test]
+    fn hash_mismatch_is_reported() {
+        let engine = TaskEngine::new(EngineConfig::default()).unwrap();
+        let err = match engine.prepare("m.wasm", "00", b"abc") {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("accepted a wrong hash"),
+        };
+        assert!(err.contains("does not match its hash"), "{err}");
+    }
+}

@@ -1,0 +1,112 @@
+//! The host side of the `wrk:task` WIT contract: generated bindings, the per-task store state and
+//! the implementations of the `dataframe`, `io` and `context` interfaces.
+//!
+//! Guests hold handles (WIT resources) whose host values live in the task's `ResourceTable`; the
+//! values share their data behind `Arc`s, so a guest may drop a table before a column taken from
+//! it.
+
+mod context;
+mod dataframe;
+mod io;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use wasmtime::component::ResourceTable;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::expr::Expr;
+use crate::limits::MemoryLimiter;
+
+/// Bindings generated from `wit/` by wasmtime.
+pub mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "task",
+        imports: { default: trappable },
+        with: {
+            "wrk:task/dataframe.table": crate::table::Table,
+            "wrk:task/dataframe.column": crate::table::Column,
+            "wrk:task/dataframe.expr": crate::guest_api::ExprHandle,
+        },
+    });
+}
+
+/// The WIT types the rest of the host works with.
+pub mod wit {
+    pub use super::bindings::wrk::task::dataframe::{
+        Aggregate, AggregateOp, BinaryOp, ColumnValues, UnaryOp, Values,
+    };
+    pub use super::bindings::wrk::task::types::{DataType, Error, ErrorCode, Field, Scalar};
+}
+
+/// The semantic version of the `wrk:task` package this host implements.
+pub const WIT_PACKAGE: &str = "wrk:task";
+pub const WIT_VERSION: &str = "0.1.0";
+
+/// What an `expr` handle points at.
+#[derive(Debug, Clone)]
+pub struct ExprHandle(pub Arc<Expr>);
+
+/// Who the running task is and what it was granted.
+#[derive(Debug, Clone, Default)]
+pub struct TaskInfo {
+    pub job_id: String,
+    pub job_name: String,
+    pub stage_name: String,
+    pub task_index: u32,
+    pub task_count: u32,
+    pub params: BTreeMap<String, String>,
+    /// Granted sources and sinks: name to URI.
+    pub sources: BTreeMap<String, String>,
+    pub sinks: BTreeMap<String, String>,
+    /// The component's human name (its file name), for logs and errors.
+    pub module_name: String,
+}
+
+/// Bytes a task explicitly copied between host tables and its own memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CopyStats {
+    pub into_guest_bytes: u64,
+    pub out_of_guest_bytes: u64,
+}
+
+/// The data of one task's wasmtime `Store`.
+pub struct TaskState {
+    pub(crate) table: ResourceTable,
+    wasi: WasiCtx,
+    pub(crate) info: Arc<TaskInfo>,
+    pub(crate) copies: CopyStats,
+    pub(crate) limiter: MemoryLimiter,
+}
+
+impl TaskState {
+    pub(crate) fn new(info: Arc<TaskInfo>, wasi: WasiCtx, limiter: MemoryLimiter) -> Self {
+        TaskState {
+            table: ResourceTable::new(),
+            wasi,
+            info,
+            copies: CopyStats::default(),
+            limiter,
+        }
+    }
+}
+
+impl WasiView for TaskState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl bindings::wrk::task::types::Host for TaskState {}
+
+/// A WIT error value.
+pub(crate) fn error(code: wit::ErrorCode, message: impl Into<String>) -> wit::Error {
+    wit::Error {
+        code,
+        message: message.into(),
+    }
+}
