@@ -98,6 +98,11 @@ fn guest_output_suffix(output: &str) -> String {
     }
 }
 
+/// The engine could not be set up (an impossible pool configuration, an unwritable cache).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot start the WebAssembly engine: {0}")]
+pub struct EngineError(String);
+
 /// A component compiled and linked against the host, ready to instantiate cheaply.
 pub struct CompiledTask {
     pre: TaskPre<TaskState>,
@@ -164,7 +169,11 @@ pub fn module_hash(wasm: &[u8]) -> String {
 }
 
 impl TaskEngine {
-    pub fn new(config: EngineConfig) -> anyhow::Result<Self> {
+    pub fn new(config: EngineConfig) -> Result<Self, EngineError> {
+        Self::build(config).map_err(|e| EngineError(format!("{e:#}")))
+    }
+
+    fn build(config: EngineConfig) -> wasmtime::Result<Self> {
         let mut pool = PoolingAllocationConfig::default();
         let components = config.max_concurrent_tasks.max(1) * 2 + 4;
         pool.total_component_instances(components)
@@ -186,7 +195,7 @@ impl TaskEngine {
                 let mut hasher = DefaultHasher::new();
                 engine.precompile_compatibility_hash().hash(&mut hasher);
                 let dir = dir.join(format!("{:016x}", hasher.finish()));
-                std::fs::create_dir_all(&dir)?;
+                std::fs::create_dir_all(&dir).map_err(wasmtime::Error::new)?;
                 Some(dir)
             }
             None => None,
@@ -245,7 +254,7 @@ impl TaskEngine {
         Ok(compiled)
     }
 
-    fn load_component(&self, hash: &str, wasm: &[u8]) -> anyhow::Result<Component> {
+    fn load_component(&self, hash: &str, wasm: &[u8]) -> wasmtime::Result<Component> {
         let Some(dir) = &self.cache_dir else {
             return Component::new(&self.engine, wasm);
         };
@@ -266,11 +275,11 @@ impl TaskEngine {
         Ok(component)
     }
 
-    fn store_compiled(&self, path: &Path, component: &Component) -> anyhow::Result<()> {
+    fn store_compiled(&self, path: &Path, component: &Component) -> wasmtime::Result<()> {
         let bytes = component.serialize()?;
         let partial = path.with_extension("partial");
-        std::fs::write(&partial, bytes)?;
-        std::fs::rename(&partial, path)?;
+        std::fs::write(&partial, bytes).map_err(wasmtime::Error::new)?;
+        std::fs::rename(&partial, path).map_err(wasmtime::Error::new)?;
         Ok(())
     }
 
@@ -279,7 +288,7 @@ impl TaskEngine {
     fn check_wit_version(&self, name: &str, component: &Component) -> Result<(), TaskError> {
         let ty = component.component_type();
         for (import, item) in ty.imports(&self.engine) {
-            if !matches!(item, ComponentItem::ComponentInstance(_)) {
+            if !matches!(item.ty, ComponentItem::ComponentInstance(_)) {
                 continue;
             }
             let Some(rest) = import.strip_prefix(&format!("{WIT_PACKAGE}/")) else {
@@ -368,14 +377,20 @@ fn classify_failure(
     output: &MemoryOutputPipe,
 ) -> TaskError {
     let module = module.to_string();
-    if let Some(exceeded) = error.chain().find_map(|e| e.downcast_ref::<MemoryLimitExceeded>()) {
+    let exceeded = error
+        .downcast_ref::<MemoryLimitExceeded>()
+        .or_else(|| error.chain().find_map(|e| e.downcast_ref::<MemoryLimitExceeded>()));
+    if let Some(exceeded) = exceeded {
         return TaskError::MemoryLimit {
             module,
             source: *exceeded,
         };
     }
     let guest_output = tail(&output.contents());
-    match error.chain().find_map(|e| e.downcast_ref::<Trap>()) {
+    let trap = error
+        .downcast_ref::<Trap>()
+        .or_else(|| error.chain().find_map(|e| e.downcast_ref::<Trap>()));
+    match trap {
         Some(Trap::Interrupt) => TaskError::Timeout { module, limit: timeout },
         Some(trap) => {
             // The guest's allocator aborts when memory.grow fails at the pool's hard cap.

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
+use arrow::record_batch::RecordBatchReader;
 use arrow::record_batch::RecordBatch;
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::ProjectionMask;
@@ -374,7 +375,7 @@ pub fn write_file(path: &Path, batches: &[RecordBatch], row_group_rows: usize) -
     };
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::default()))
-        .set_max_row_group_size(row_group_rows.max(1))
+        .set_max_row_group_row_count(Some(row_group_rows.max(1)))
         .build();
     let partial = path.with_extension("parquet.partial");
     let file = File::create(&partial).map_err(|e| write_err(e.to_string()))?;

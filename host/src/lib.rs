@@ -9,7 +9,8 @@
 //! - [`expr`], [`table`], [`cpu`]: expressions, tables and the CPU (Arrow) backend.
 //! - [`io`]: Parquet sources and sinks.
 //! - [`store`]: the worker's partitions.
-//! - [`worker`]: the worker process: scheduler channel, task execution, peer data service.
+//! - [`transfer`]: the peer-to-peer partition service and client.
+//! - [`worker`]: the worker process: scheduler channel, task execution.
 
 pub mod cpu;
 pub mod engine;
@@ -18,3 +19,6 @@ pub mod guest_api;
 pub mod io;
 pub mod limits;
 pub mod table;
+pub mod store;
+pub mod transfer;
+pub mod worker;

@@ -5,8 +5,13 @@
 
 use std::sync::Arc;
 
+use std::io::Cursor;
+
 use arrow::array::ArrayRef;
-use arrow::datatypes::{Schema, SchemaRef};
+use arrow::datatypes::SchemaRef;
+use arrow::error::ArrowError;
+use arrow::ipc::reader::StreamReader;
+use arrow::ipc::writer::StreamWriter;
 use arrow::record_batch::RecordBatch;
 
 /// An immutable columnar table held by the worker.
@@ -20,10 +25,6 @@ impl Table {
         Table {
             batch: Arc::new(batch),
         }
-    }
-
-    pub fn empty(schema: SchemaRef) -> Self {
-        Table::new(RecordBatch::new_empty(schema))
     }
 
     pub fn batch(&self) -> &RecordBatch {
@@ -66,7 +67,18 @@ impl Column {
     }
 }
 
-/// An empty schema, for tables made of no columns.
-pub fn empty_schema() -> SchemaRef {
-    Arc::new(Schema::empty())
+/// Encodes a batch as an Arrow IPC stream: the format of explicit guest copies and of transfers
+/// between workers.
+pub fn encode_ipc(batch: &RecordBatch) -> Result<Vec<u8>, ArrowError> {
+    let mut writer = StreamWriter::try_new(Vec::new(), &batch.schema())?;
+    writer.write(batch)?;
+    writer.into_inner()
+}
+
+/// Decodes an Arrow IPC stream into one batch.
+pub fn decode_ipc(bytes: &[u8]) -> Result<RecordBatch, ArrowError> {
+    let reader = StreamReader::try_new(Cursor::new(bytes), None)?;
+    let schema = reader.schema();
+    let batches = reader.collect::<Result<Vec<_>, _>>()?;
+    arrow::compute::concat_batches(&schema, &batches)
 }

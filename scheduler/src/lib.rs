@@ -1,1 +1,15 @@
-//! placeholder
+//! `wrk-scheduler`: runs job graphs across workers.
+//!
+//! Workers attach over a bidirectional gRPC stream (register, heartbeat, task reports; the
+//! scheduler assigns tasks and releases data). Clients submit job graphs, watch their progress
+//! and fetch where the results are; the data itself moves between workers and clients directly.
+//!
+//! - [`graph`]: validation of submitted job graphs.
+//! - [`state`]: the task state machine, placement, retries, recovery from lost workers.
+//! - [`service`]: the tonic service and [`serve`].
+
+pub mod graph;
+pub mod service;
+pub mod state;
+
+pub use service::{SchedulerConfig, SchedulerService, serve};

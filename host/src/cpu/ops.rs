@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use arrow::array::{
-    Array, ArrayRef, AsArray, Float64Array, Int64Array, PrimitiveArray, UInt32Array, UInt64Array,
+    Array, ArrayRef, AsArray, Float64Array, Int64Array, PrimitiveArray, UInt32Array,
 };
 use arrow::compute;
 use arrow::datatypes::{

@@ -1,6 +1,5 @@
 //! The `dataframe` interface: `expr`, `column` and `table` handles over the CPU backend.
 
-use std::io::Cursor;
 use std::sync::Arc;
 
 use arrow::array::{
@@ -8,8 +7,6 @@ use arrow::array::{
 };
 use arrow::buffer::NullBuffer;
 use arrow::datatypes::{DataType as ArrowType, Field as ArrowField, Float64Type, Int64Type, Schema, TimeUnit, UInt64Type};
-use arrow::ipc::reader::StreamReader;
-use arrow::ipc::writer::StreamWriter;
 use arrow::record_batch::RecordBatch;
 use wasmtime::component::Resource;
 
@@ -21,7 +18,7 @@ use super::wit::{
 use super::{ExprHandle, TaskState, error};
 use crate::cpu::{eval, ops};
 use crate::expr::{Expr, ExprError, Literal};
-use crate::table::{Column, Table};
+use crate::table::{Column, Table, decode_ipc, encode_ipc};
 
 impl Host for TaskState {}
 
@@ -326,21 +323,6 @@ fn aggregate_fn(op: AggregateOp) -> ops::AggregateFn {
         AggregateOp::Max => ops::AggregateFn::Max,
         AggregateOp::CountDistinct => ops::AggregateFn::CountDistinct,
     }
-}
-
-/// Encodes a batch as an Arrow IPC stream.
-pub(crate) fn encode_ipc(batch: &RecordBatch) -> Result<Vec<u8>, arrow::error::ArrowError> {
-    let mut writer = StreamWriter::try_new(Vec::new(), &batch.schema())?;
-    writer.write(batch)?;
-    writer.into_inner()
-}
-
-/// Decodes an Arrow IPC stream into one batch.
-pub(crate) fn decode_ipc(bytes: &[u8]) -> Result<RecordBatch, arrow::error::ArrowError> {
-    let reader = StreamReader::try_new(Cursor::new(bytes), None)?;
-    let schema = reader.schema();
-    let batches = reader.collect::<Result<Vec<_>, _>>()?;
-    arrow::compute::concat_batches(&schema, &batches)
 }
 
 impl HostTable for TaskState {

@@ -1,0 +1,420 @@
+//! The worker process: it serves its partitions to peers, attaches to the scheduler, registers,
+//! heartbeats, and runs the tasks it is assigned, keeping their outputs in its partition store.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::transport::{Channel, Endpoint, Server};
+use wrk_proto::scheduler_client::SchedulerClient;
+use wrk_proto::scheduler_message::Kind as FromScheduler;
+use wrk_proto::task_input::Kind as InputKind;
+use wrk_proto::worker_message::Kind as ToScheduler;
+use wrk_proto::worker_server::WorkerServer;
+use wrk_proto::{
+    AssignTask, GetModuleRequest, Heartbeat, MAX_MESSAGE_BYTES, OutputMeta, Register, TaskDone,
+    TaskFailed, TaskStats, WorkerMessage,
+};
+
+use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
+use crate::guest_api::{TaskInfo, WIT_VERSION};
+use crate::store::{PartitionId, PartitionStore};
+use crate::table::Table;
+use crate::transfer::{DataService, PeerClient};
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The scheduler's gRPC address, e.g. `http://127.0.0.1:7070`.
+    pub scheduler: String,
+    /// Where the data service listens; port 0 picks a free one.
+    pub listen: SocketAddr,
+    /// The host peers use to reach this worker; defaults to the listen address's IP.
+    pub advertise_host: Option<String>,
+    pub worker_id: Option<String>,
+    /// Tasks run at once.
+    pub slots: u32,
+    pub engine: EngineConfig,
+    /// How long to keep trying to reach the scheduler at start.
+    pub connect_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("cannot listen on {address}: {source}")]
+    Listen {
+        address: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot reach the scheduler at {address} (gave up after {waited:?}): {detail}")]
+    Connect {
+        address: String,
+        waited: Duration,
+        detail: String,
+    },
+    #[error("the scheduler at {address} refused worker {worker_id}: {detail}")]
+    Rejected {
+        address: String,
+        worker_id: String,
+        detail: String,
+    },
+    #[error("lost the connection to the scheduler at {address}: {detail}")]
+    SchedulerGone { address: String, detail: String },
+}
+
+/// What every task of this worker shares.
+struct Shared {
+    worker_id: String,
+    engine: TaskEngine,
+    store: Arc<PartitionStore>,
+    peers: PeerClient,
+    scheduler: SchedulerClient<Channel>,
+    outbox: mpsc::Sender<WorkerMessage>,
+    running: std::sync::atomic::AtomicU32,
+}
+
+/// A task failure, and whether another attempt might succeed.
+struct Failure {
+    message: String,
+    retriable: bool,
+}
+
+impl Failure {
+    fn fatal(message: impl ToString) -> Self {
+        Failure {
+            message: message.to_string(),
+            retriable: false,
+        }
+    }
+
+    fn retriable(message: impl ToString) -> Self {
+        Failure {
+            message: message.to_string(),
+            retriable: true,
+        }
+    }
+}
+
+/// Runs a worker until `shutdown` resolves or the scheduler goes away.
+pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()>) -> Result<(), WorkerError> {
+    let worker_id = config.worker_id.clone().unwrap_or_else(default_worker_id);
+    let engine = TaskEngine::new(config.engine.clone())?;
+    let store = Arc::new(PartitionStore::new());
+
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| WorkerError::Listen {
+            address: config.listen,
+            source,
+        })?;
+    let local = listener.local_addr().map_err(|source| WorkerError::Listen {
+        address: config.listen,
+        source,
+    })?;
+    let host = config
+        .advertise_host
+        .clone()
+        .unwrap_or_else(|| advertise_ip(local));
+    let data_address = format!("http://{host}:{}", local.port());
+    let (stop_data, data_stopped) = tokio::sync::oneshot::channel::<()>();
+    let data_service = WorkerServer::new(DataService::new(worker_id.clone(), store.clone()))
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let data_server = tokio::spawn(
+        Server::builder()
+            .add_service(data_service)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = data_stopped.await;
+            }),
+    );
+
+    let channel = connect_with_retry(&config.scheduler, config.connect_timeout).await?;
+    let mut scheduler = SchedulerClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let (outbox, outgoing) = mpsc::channel::<WorkerMessage>(4096);
+    let register = Register {
+        worker_id: worker_id.clone(),
+        data_address: data_address.clone(),
+        slots: config.slots.max(1),
+        device: "cpu".into(),
+        pool_bytes: 0,
+        wit_version: WIT_VERSION.into(),
+    };
+    let _ = outbox
+        .send(WorkerMessage {
+            kind: Some(ToScheduler::Register(register)),
+        })
+        .await;
+    let gone = |detail: String| WorkerError::SchedulerGone {
+        address: config.scheduler.clone(),
+        detail,
+    };
+    let mut inbound = scheduler
+        .attach(ReceiverStream::new(outgoing))
+        .await
+        .map_err(|status| WorkerError::Rejected {
+            address: config.scheduler.clone(),
+            worker_id: worker_id.clone(),
+            detail: status.message().to_string(),
+        })?
+        .into_inner();
+    let heartbeat_every = match inbound.message().await {
+        Ok(Some(message)) => match message.kind {
+            Some(FromScheduler::Registered(registered)) => {
+                Duration::from_millis(registered.heartbeat_interval_ms.max(50))
+            }
+            other => return Err(gone(format!("expected a registration answer, got {other:?}"))),
+        },
+        Ok(None) => return Err(gone("the scheduler closed the channel".into())),
+        Err(status) => {
+            return Err(WorkerError::Rejected {
+                address: config.scheduler.clone(),
+                worker_id,
+                detail: status.message().to_string(),
+            });
+        }
+    };
+    tracing::info!(worker = %worker_id, data = %data_address, slots = config.slots, "worker registered with {}", config.scheduler);
+
+    let shared = Arc::new(Shared {
+        worker_id: worker_id.clone(),
+        engine,
+        store,
+        peers: PeerClient::new(),
+        scheduler,
+        outbox: outbox.clone(),
+        running: Default::default(),
+    });
+    let mut heartbeat = tokio::time::interval(heartbeat_every);
+    tokio::pin!(shutdown);
+    let result = loop {
+        tokio::select! {
+            _ = &mut shutdown => break Ok(()),
+            _ = heartbeat.tick() => {
+                let stats = shared.store.stats();
+                let beat = Heartbeat {
+                    pool_used_bytes: stats.bytes,
+                    running_tasks: shared.running.load(std::sync::atomic::Ordering::Relaxed),
+                    partitions: stats.partitions,
+                };
+                let _ = outbox.send(WorkerMessage { kind: Some(ToScheduler::Heartbeat(beat)) }).await;
+            }
+            message = inbound.message() => match message {
+                Ok(Some(message)) => match message.kind {
+                    Some(FromScheduler::Assign(task)) => {
+                        let shared = shared.clone();
+                        tokio::spawn(async move { run_assigned(shared, task).await });
+                    }
+                    Some(FromScheduler::Release(release)) => {
+                        let dropped = shared.store.release_job(&release.job_id);
+                        tracing::debug!(job = %release.job_id, dropped, "released job partitions");
+                    }
+                    Some(FromScheduler::Cancel(cancel)) => {
+                        tracing::debug!(task = ?cancel.task, "cancel requested; the attempt's result will be ignored by the scheduler");
+                    }
+                    Some(FromScheduler::Registered(_)) | None => {}
+                },
+                Ok(None) => break Err(gone("the scheduler closed the channel".into())),
+                Err(status) => break Err(gone(status.message().to_string())),
+            },
+        }
+    };
+    let _ = stop_data.send(());
+    let _ = data_server.await;
+    result
+}
+
+fn default_worker_id() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "worker".into());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{host}-{}-{nanos:08x}", std::process::id())
+}
+
+fn advertise_ip(local: SocketAddr) -> String {
+    let ip = local.ip();
+    if ip.is_unspecified() {
+        "127.0.0.1".to_string()
+    } else if ip.is_ipv6() {
+        format!("[{ip}]")
+    } else {
+        ip.to_string()
+    }
+}
+
+async fn connect_with_retry(address: &str, timeout: Duration) -> Result<Channel, WorkerError> {
+    let started = Instant::now();
+    let fail = |detail: String| WorkerError::Connect {
+        address: address.to_string(),
+        waited: started.elapsed(),
+        detail,
+    };
+    let endpoint = Endpoint::from_shared(address.to_string()).map_err(|e| fail(e.to_string()))?;
+    loop {
+        match endpoint.connect().await {
+            Ok(channel) => return Ok(channel),
+            Err(e) if started.elapsed() >= timeout => return Err(fail(e.to_string())),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+async fn run_assigned(shared: Arc<Shared>, task: AssignTask) {
+    use std::sync::atomic::Ordering;
+    let id = task.task.clone().unwrap_or_default();
+    shared.running.fetch_add(1, Ordering::Relaxed);
+    let outcome = execute(&shared, task).await;
+    shared.running.fetch_sub(1, Ordering::Relaxed);
+    let message = match outcome {
+        Ok((outputs, stats)) => {
+            let metas = outputs
+                .iter()
+                .map(|t| OutputMeta {
+                    rows: t.num_rows() as u64,
+                    bytes: t.memory_bytes() as u64,
+                })
+                .collect();
+            for (index, table) in outputs.into_iter().enumerate() {
+                let partition = PartitionId {
+                    job_id: id.job_id.clone(),
+                    stage: id.stage,
+                    task: id.index,
+                    output: index as u32,
+                };
+                shared.store.insert(partition, table);
+            }
+            ToScheduler::Done(TaskDone {
+                task: Some(id),
+                outputs: metas,
+                stats: Some(stats),
+            })
+        }
+        Err(failure) => {
+            tracing::warn!(worker = %shared.worker_id, task = %id, "task failed: {}", failure.message);
+            ToScheduler::Failed(TaskFailed {
+                task: Some(id),
+                error: failure.message,
+                retriable: failure.retriable,
+            })
+        }
+    };
+    let _ = shared.outbox.send(WorkerMessage { kind: Some(message) }).await;
+}
+
+async fn execute(shared: &Arc<Shared>, task: AssignTask) -> Result<(Vec<Table>, TaskStats), Failure> {
+    let started = Instant::now();
+    let compiled = compiled_module(shared, &task).await?;
+    let prepare = started.elapsed();
+    let mut inputs = Vec::with_capacity(task.inputs.len());
+    for input in &task.inputs {
+        inputs.push(load_input(shared, input).await?);
+    }
+    let input_rows: u64 = inputs.iter().map(|t| t.num_rows() as u64).sum();
+    let id = task.task.clone().unwrap_or_default();
+    let grants = |g: &std::collections::HashMap<String, wrk_proto::Grant>| -> BTreeMap<String, String> {
+        g.iter().map(|(k, v)| (k.clone(), v.uri.clone())).collect()
+    };
+    let info = Arc::new(TaskInfo {
+        job_id: id.job_id.clone(),
+        job_name: task.job_name.clone(),
+        stage_name: task.stage_name.clone(),
+        task_index: id.index,
+        task_count: task.task_count,
+        params: task.params.clone().into_iter().collect(),
+        sources: grants(&task.sources),
+        sinks: grants(&task.sinks),
+        module_name: task.module_name.clone(),
+    });
+    let defaults = shared.engine.config();
+    let limits = task.limits.unwrap_or_default();
+    let limits = TaskLimits {
+        memory_bytes: if limits.task_memory_bytes > 0 {
+            limits.task_memory_bytes
+        } else {
+            defaults.default_task_memory
+        },
+        timeout: if limits.task_timeout_ms > 0 {
+            Duration::from_millis(limits.task_timeout_ms)
+        } else {
+            defaults.default_task_timeout
+        },
+    };
+    let runner = shared.clone();
+    let run = tokio::task::spawn_blocking(move || runner.engine.run(&compiled, info, inputs, limits))
+        .await
+        .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?
+        .map_err(Failure::fatal)?;
+    let stats = TaskStats {
+        duration_us: started.elapsed().as_micros() as u64,
+        prepare_us: (prepare + run.instantiate).as_micros() as u64,
+        copied_into_guest_bytes: run.copies.into_guest_bytes,
+        copied_out_of_guest_bytes: run.copies.out_of_guest_bytes,
+        input_rows,
+    };
+    Ok((run.outputs, stats))
+}
+
+/// The task's component, compiled once per content hash; fetched from the scheduler if new.
+async fn compiled_module(shared: &Arc<Shared>, task: &AssignTask) -> Result<Arc<CompiledTask>, Failure> {
+    if let Some(compiled) = shared.engine.cached(&task.module_hash) {
+        return Ok(compiled);
+    }
+    let module = shared
+        .scheduler
+        .clone()
+        .get_module(GetModuleRequest {
+            hash: task.module_hash.clone(),
+        })
+        .await
+        .map_err(|s| {
+            Failure::retriable(format!(
+                "cannot fetch module `{}` from the scheduler: {}",
+                task.module_name,
+                s.message()
+            ))
+        })?
+        .into_inner();
+    let runner = shared.clone();
+    let (name, hash) = (task.module_name.clone(), task.module_hash.clone());
+    tokio::task::spawn_blocking(move || runner.engine.prepare(&name, &hash, &module.wasm))
+        .await
+        .map_err(|e| Failure::fatal(format!("compile thread failed: {e}")))?
+        .map_err(Failure::fatal)
+}
+
+async fn load_input(shared: &Arc<Shared>, input: &wrk_proto::TaskInput) -> Result<Table, Failure> {
+    match &input.kind {
+        Some(InputKind::Parquet(partition)) => {
+            let partition = partition.clone();
+            tokio::task::spawn_blocking(move || crate::io::read_partition(&partition))
+                .await
+                .map_err(|e| Failure::fatal(format!("read thread failed: {e}")))?
+                .map(Table::new)
+                .map_err(Failure::fatal)
+        }
+        Some(InputKind::Partition(location)) => {
+            let key = location.key.clone().unwrap_or_default();
+            if location.worker_id == shared.worker_id {
+                return shared.store.get(&PartitionId::from(&key)).ok_or_else(|| {
+                    Failure::retriable(format!(
+                        "partition {key} is no longer held by worker {}",
+                        shared.worker_id
+                    ))
+                });
+            }
+            shared
+                .peers
+                .fetch(&location.address, &key)
+                .await
+                .map_err(Failure::retriable)
+        }
+        None => Err(Failure::fatal("a task input has no kind")),
+    }
+}

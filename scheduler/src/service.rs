@@ -1,0 +1,241 @@
+//! The scheduler's gRPC service: the thin layer between tonic streams and the [`State`] machine.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{TcpListenerStream, UnboundedReceiverStream};
+use tonic::transport::Server;
+use tonic::{Request, Response, Status, Streaming};
+use wrk_proto::scheduler_message::Kind as ToWorker;
+use wrk_proto::scheduler_server::{Scheduler, SchedulerServer};
+use wrk_proto::worker_message::Kind as FromWorker;
+use wrk_proto::{
+    ClusterStatus, Empty, GetModuleRequest, JobProgress, JobRef, JobResult, JobState,
+    MAX_MESSAGE_BYTES, ModuleBytes, Registered, SchedulerMessage, SubmitJobRequest,
+    SubmitJobResponse, WorkerMessage,
+};
+
+use crate::graph;
+use crate::state::{Outgoing, State, StateError};
+
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    /// How often workers heartbeat.
+    pub heartbeat_interval: Duration,
+    /// A worker silent for this long is declared lost.
+    pub worker_timeout: Duration,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            heartbeat_interval: Duration::from_secs(1),
+            worker_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The scheduler service; clones share one state.
+#[derive(Clone)]
+pub struct SchedulerService {
+    state: Arc<Mutex<State>>,
+    config: SchedulerConfig,
+}
+
+fn status(e: StateError) -> Status {
+    match e {
+        StateError::DuplicateWorker(_) => Status::already_exists(e.to_string()),
+        StateError::UnknownJob(_) | StateError::UnknownModule(_) => Status::not_found(e.to_string()),
+    }
+}
+
+fn send(out: Outgoing) {
+    for (outbox, message) in out {
+        let _ = outbox.send(Ok(message));
+    }
+}
+
+impl SchedulerService {
+    pub fn new(config: SchedulerConfig) -> Self {
+        SchedulerService {
+            state: Arc::new(Mutex::new(State::new())),
+            config,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent-enough state for reads; keep serving.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Declares workers lost when they stop heartbeating; runs until the service is dropped.
+    fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(&self.state);
+        let config = self.config;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(config.heartbeat_interval);
+            loop {
+                tick.tick().await;
+                let Some(state) = weak.upgrade() else { break };
+                let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+                for worker in state.silent_workers(config.worker_timeout) {
+                    let reason = format!("no heartbeat for {:?}", config.worker_timeout);
+                    let out = state.worker_lost(&worker, &reason);
+                    send(out);
+                }
+            }
+        })
+    }
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Scheduler for SchedulerService {
+    type AttachStream = BoxStream<SchedulerMessage>;
+    type WatchJobStream = BoxStream<JobProgress>;
+
+    async fn attach(&self, request: Request<Streaming<WorkerMessage>>) -> Result<Response<Self::AttachStream>, Status> {
+        let mut inbound = request.into_inner();
+        let register = match inbound.message().await? {
+            Some(WorkerMessage {
+                kind: Some(FromWorker::Register(register)),
+            }) => register,
+            _ => return Err(Status::invalid_argument("a worker must register first")),
+        };
+        if register.worker_id.is_empty() || register.data_address.is_empty() {
+            return Err(Status::invalid_argument("registration needs a worker id and a data address"));
+        }
+        let (outbox, messages) = mpsc::unbounded_channel();
+        let worker_id = register.worker_id.clone();
+        {
+            let mut state = self.state();
+            state.register_worker(&register, outbox.clone()).map_err(status)?;
+            let _ = outbox.send(Ok(SchedulerMessage {
+                kind: Some(ToWorker::Registered(Registered {
+                    heartbeat_interval_ms: self.config.heartbeat_interval.as_millis() as u64,
+                })),
+            }));
+            send(state.dispatch());
+        }
+        tracing::info!(worker = %worker_id, address = %register.data_address, slots = register.slots, "worker joined");
+        let service = self.clone();
+        tokio::spawn(async move {
+            let reason = loop {
+                match inbound.message().await {
+                    Ok(Some(message)) => {
+                        let mut state = service.state();
+                        let out = match message.kind {
+                            Some(FromWorker::Heartbeat(beat)) => {
+                                state.heartbeat(&worker_id, &beat);
+                                Vec::new()
+                            }
+                            Some(FromWorker::Done(done)) => state.task_done(&worker_id, done),
+                            Some(FromWorker::Failed(failed)) => state.task_failed(&worker_id, failed),
+                            Some(FromWorker::Register(_)) | None => Vec::new(),
+                        };
+                        send(out);
+                    }
+                    Ok(None) => break "it closed its channel".to_string(),
+                    Err(status) => break format!("its channel failed: {}", status.message()),
+                }
+            };
+            let out = service.state().worker_lost(&worker_id, &reason);
+            send(out);
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(messages))))
+    }
+
+    async fn get_module(&self, request: Request<GetModuleRequest>) -> Result<Response<ModuleBytes>, Status> {
+        let hash = request.into_inner().hash;
+        let module = self.state().module(&hash).map_err(status)?;
+        Ok(Response::new(ModuleBytes {
+            hash,
+            wasm: module.wasm,
+            name: module.name,
+        }))
+    }
+
+    async fn submit_job(&self, request: Request<SubmitJobRequest>) -> Result<Response<SubmitJobResponse>, Status> {
+        let Some(spec) = request.into_inner().job else {
+            return Err(Status::invalid_argument("the request has no job"));
+        };
+        let known = self.state().known_modules();
+        // Hashing modules can take a while: do it outside the lock.
+        graph::validate(&spec, &known).map_err(|e| Status::invalid_argument(format!("job `{}`: {e}", spec.name)))?;
+        let mut state = self.state();
+        let name = spec.name.clone();
+        let (job_id, _) = state.submit(spec);
+        tracing::info!(job = %job_id, %name, "job submitted");
+        send(state.dispatch());
+        Ok(Response::new(SubmitJobResponse { job_id }))
+    }
+
+    async fn watch_job(&self, request: Request<JobRef>) -> Result<Response<Self::WatchJobStream>, Status> {
+        let receiver = self.state().watch(&request.into_inner().job_id).map_err(status)?;
+        let stream = futures::stream::unfold((receiver, false), |(mut receiver, finished)| async move {
+            if finished {
+                return None;
+            }
+            let progress = receiver.borrow_and_update().clone();
+            let terminal = matches!(
+                progress.state(),
+                JobState::Succeeded | JobState::Failed | JobState::Cancelled
+            );
+            if !terminal && receiver.changed().await.is_err() {
+                return None;
+            }
+            let progress = if terminal { progress } else { receiver.borrow_and_update().clone() };
+            let terminal = matches!(
+                progress.state(),
+                JobState::Succeeded | JobState::Failed | JobState::Cancelled
+            );
+            Some((Ok(progress), (receiver, terminal)))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_job_result(&self, request: Request<JobRef>) -> Result<Response<JobResult>, Status> {
+        let result = self.state().result(&request.into_inner().job_id).map_err(status)?;
+        Ok(Response::new(result))
+    }
+
+    async fn cancel_job(&self, request: Request<JobRef>) -> Result<Response<Empty>, Status> {
+        let out = self.state().cancel(&request.into_inner().job_id).map_err(status)?;
+        send(out);
+        Ok(Response::new(Empty {}))
+    }
+
+    async fn release_job(&self, request: Request<JobRef>) -> Result<Response<Empty>, Status> {
+        let out = self.state().release(&request.into_inner().job_id).map_err(status)?;
+        send(out);
+        Ok(Response::new(Empty {}))
+    }
+
+    async fn get_cluster_status(&self, _request: Request<Empty>) -> Result<Response<ClusterStatus>, Status> {
+        Ok(Response::new(self.state().status()))
+    }
+}
+
+/// Serves the scheduler on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    config: SchedulerConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let service = SchedulerService::new(config);
+    let reaper = service.spawn_reaper();
+    let server = SchedulerServer::new(service)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let result = Server::builder()
+        .add_service(server)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await;
+    reaper.abort();
+    result
+}

@@ -1,0 +1,931 @@
+//! The scheduler's state machine: workers, jobs, the state of every task, and the decisions
+//! (which task runs where, what to retry, what a lost worker costs).
+//!
+//! It is synchronous and does no I/O: every event returns the messages to send, so the gRPC layer
+//! stays thin and the logic is tested directly.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+use wrk_proto::scheduler_message::Kind as ToWorker;
+use wrk_proto::stage_input::Pattern;
+use wrk_proto::{
+    AssignTask, CancelTask, ClusterStatus, JobProgress, JobResult, JobSpec, JobState, JobSummary,
+    OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, SchedulerMessage, StageProgress,
+    TaskDone, TaskFailed, TaskId, TaskInput, WorkerStatus, task_input,
+};
+
+/// Where a worker's control messages go.
+pub type WorkerOutbox = mpsc::UnboundedSender<Result<SchedulerMessage, tonic::Status>>;
+
+/// Attempts of a task that failed with a retriable error before the job fails.
+pub const MAX_ATTEMPTS: u32 = 4;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    #[error("a worker with id `{0}` is already registered")]
+    DuplicateWorker(String),
+    #[error("no job `{0}`")]
+    UnknownJob(String),
+    #[error("no module with hash {0}")]
+    UnknownModule(String),
+}
+
+/// A task, by position in its job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct TaskRef {
+    job: u64,
+    stage: u32,
+    index: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum TaskStatus {
+    /// Waiting for this many input tasks to finish.
+    Waiting(u32),
+    Ready,
+    Running { worker: String },
+    Done { worker: String, outputs: Vec<OutputMeta> },
+}
+
+#[derive(Debug, Clone)]
+struct TaskEntry {
+    status: TaskStatus,
+    /// Attempts started so far.
+    attempts: u32,
+}
+
+struct Job {
+    id: String,
+    spec: JobSpec,
+    tasks: Vec<Vec<TaskEntry>>,
+    /// For each stage, the stages consuming it and how.
+    consumers: Vec<Vec<(u32, Pattern)>>,
+    state: JobState,
+    error: String,
+    progress: watch::Sender<JobProgress>,
+}
+
+struct Worker {
+    address: String,
+    slots: u32,
+    running: HashSet<(u64, u32, u32)>,
+    outbox: WorkerOutbox,
+    last_seen: Instant,
+    device: String,
+    pool_bytes: u64,
+    pool_used_bytes: u64,
+    partitions: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoredModule {
+    pub name: String,
+    pub wasm: Vec<u8>,
+}
+
+/// All the scheduler knows.
+#[derive(Default)]
+pub struct State {
+    workers: HashMap<String, Worker>,
+    jobs: HashMap<u64, Job>,
+    job_ids: HashMap<String, u64>,
+    modules: HashMap<String, StoredModule>,
+    ready: VecDeque<TaskRef>,
+    next_job: u64,
+}
+
+fn is_terminal(state: JobState) -> bool {
+    matches!(state, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
+}
+
+impl Job {
+    fn stage_progress(&self) -> Vec<StageProgress> {
+        self.spec
+            .stages
+            .iter()
+            .zip(&self.tasks)
+            .map(|(stage, tasks)| {
+                let (mut done, mut running) = (0, 0);
+                for t in tasks {
+                    match t.status {
+                        TaskStatus::Done { .. } => done += 1,
+                        TaskStatus::Running { .. } => running += 1,
+                        _ => {}
+                    }
+                }
+                StageProgress {
+                    name: stage.name.clone(),
+                    total: stage.num_tasks,
+                    done,
+                    running,
+                }
+            })
+            .collect()
+    }
+
+    fn publish(&self) {
+        let progress = JobProgress {
+            job_id: self.id.clone(),
+            state: self.state as i32,
+            stages: self.stage_progress(),
+            error: self.error.clone(),
+        };
+        self.progress.send_replace(progress);
+    }
+
+    /// The tasks whose outputs task `(stage, index)` reads, in input order.
+    fn inputs_of(&self, stage: u32, index: u32) -> Vec<(u32, u32)> {
+        let mut inputs = Vec::new();
+        for input in &self.spec.stages[stage as usize].inputs {
+            match input.pattern() {
+                Pattern::OneToOne => inputs.push((input.stage, index)),
+                Pattern::All => {
+                    let count = self.spec.stages[input.stage as usize].num_tasks;
+                    inputs.extend((0..count).map(|i| (input.stage, i)));
+                }
+            }
+        }
+        inputs
+    }
+
+    fn is_done(&self, stage: u32, index: u32) -> bool {
+        matches!(self.tasks[stage as usize][index as usize].status, TaskStatus::Done { .. })
+    }
+
+    /// Final stages: those no other stage consumes.
+    fn final_stages(&self) -> Vec<u32> {
+        (0..self.spec.stages.len() as u32)
+            .filter(|&s| self.consumers[s as usize].is_empty())
+            .collect()
+    }
+
+    /// Sets every task that is neither running nor done to waiting or ready from its inputs'
+    /// state, returning the ready ones.
+    fn recount(&mut self) -> Vec<(u32, u32)> {
+        let mut ready = Vec::new();
+        for stage in 0..self.tasks.len() as u32 {
+            for index in 0..self.tasks[stage as usize].len() as u32 {
+                let status = &self.tasks[stage as usize][index as usize].status;
+                if matches!(status, TaskStatus::Running { .. } | TaskStatus::Done { .. }) {
+                    continue;
+                }
+                let missing = self
+                    .inputs_of(stage, index)
+                    .into_iter()
+                    .filter(|&(s, i)| !self.is_done(s, i))
+                    .count() as u32;
+                let entry = &mut self.tasks[stage as usize][index as usize];
+                if missing == 0 {
+                    entry.status = TaskStatus::Ready;
+                    ready.push((stage, index));
+                } else {
+                    entry.status = TaskStatus::Waiting(missing);
+                }
+            }
+        }
+        ready
+    }
+}
+
+/// Messages to send after a state change.
+pub type Outgoing = Vec<(WorkerOutbox, SchedulerMessage)>;
+
+fn message(kind: ToWorker) -> SchedulerMessage {
+    SchedulerMessage { kind: Some(kind) }
+}
+
+impl State {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn module(&self, hash: &str) -> Result<StoredModule, StateError> {
+        self.modules
+            .get(hash)
+            .cloned()
+            .ok_or_else(|| StateError::UnknownModule(hash.to_string()))
+    }
+
+    pub fn known_modules(&self) -> HashSet<String> {
+        self.modules.keys().cloned().collect()
+    }
+
+    pub fn register_worker(
+        &mut self,
+        register: &wrk_proto::Register,
+        outbox: WorkerOutbox,
+    ) -> Result<(), StateError> {
+        if self.workers.contains_key(&register.worker_id) {
+            return Err(StateError::DuplicateWorker(register.worker_id.clone()));
+        }
+        self.workers.insert(
+            register.worker_id.clone(),
+            Worker {
+                address: register.data_address.clone(),
+                slots: register.slots.max(1),
+                running: HashSet::new(),
+                outbox,
+                last_seen: Instant::now(),
+                device: register.device.clone(),
+                pool_bytes: register.pool_bytes,
+                pool_used_bytes: 0,
+                partitions: 0,
+            },
+        );
+        Ok(())
+    }
+
+    pub fn heartbeat(&mut self, worker_id: &str, beat: &wrk_proto::Heartbeat) {
+        if let Some(worker) = self.workers.get_mut(worker_id) {
+            worker.last_seen = Instant::now();
+            worker.pool_used_bytes = beat.pool_used_bytes;
+            worker.partitions = beat.partitions;
+        }
+    }
+
+    /// Workers silent for longer than `timeout`.
+    pub fn silent_workers(&self, timeout: Duration) -> Vec<String> {
+        self.workers
+            .iter()
+            .filter(|(_, w)| w.last_seen.elapsed() > timeout)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// Accepts a validated job; returns its id and a receiver of its progress.
+    pub fn submit(&mut self, mut spec: JobSpec) -> (String, watch::Receiver<JobProgress>) {
+        for module in std::mem::take(&mut spec.modules) {
+            self.modules.entry(module.hash).or_insert(StoredModule {
+                name: module.name,
+                wasm: module.wasm,
+            });
+        }
+        self.next_job += 1;
+        let number = self.next_job;
+        let id = format!("job-{number:06}");
+        let mut consumers = vec![Vec::new(); spec.stages.len()];
+        for (s, stage) in spec.stages.iter().enumerate() {
+            for input in &stage.inputs {
+                consumers[input.stage as usize].push((s as u32, input.pattern()));
+            }
+        }
+        let tasks = spec
+            .stages
+            .iter()
+            .map(|stage| {
+                vec![
+                    TaskEntry {
+                        status: TaskStatus::Waiting(0),
+                        attempts: 0,
+                    };
+                    stage.num_tasks as usize
+                ]
+            })
+            .collect();
+        let (progress, receiver) = watch::channel(JobProgress::default());
+        let mut job = Job {
+            id: id.clone(),
+            spec,
+            tasks,
+            consumers,
+            state: JobState::Pending,
+            error: String::new(),
+            progress,
+        };
+        for (stage, index) in job.recount() {
+            self.ready.push_back(TaskRef { job: number, stage, index });
+        }
+        job.publish();
+        self.jobs.insert(number, job);
+        self.job_ids.insert(id.clone(), number);
+        (id, receiver)
+    }
+
+    fn job_number(&self, job_id: &str) -> Result<u64, StateError> {
+        self.job_ids
+            .get(job_id)
+            .copied()
+            .ok_or_else(|| StateError::UnknownJob(job_id.to_string()))
+    }
+
+    pub fn watch(&self, job_id: &str) -> Result<watch::Receiver<JobProgress>, StateError> {
+        let number = self.job_number(job_id)?;
+        Ok(self.jobs[&number].progress.subscribe())
+    }
+
+    /// Assigns ready tasks to workers with free slots, preferring the worker that holds most of
+    /// a task's input bytes.
+    pub fn dispatch(&mut self) -> Outgoing {
+        let mut out = Vec::new();
+        let mut free: usize = self
+            .workers
+            .values()
+            .map(|w| w.slots.saturating_sub(w.running.len() as u32) as usize)
+            .sum();
+        while free > 0 {
+            let Some(task) = self.ready.pop_front() else {
+                break;
+            };
+            let Some(job) = self.jobs.get(&task.job) else {
+                continue;
+            };
+            if is_terminal(job.state)
+                || job.tasks[task.stage as usize][task.index as usize].status != TaskStatus::Ready
+            {
+                continue;
+            }
+            let Some(worker_id) = self.place(job, task) else {
+                self.ready.push_front(task);
+                break;
+            };
+            out.push(self.start(task, &worker_id));
+            free -= 1;
+        }
+        out
+    }
+
+    /// The free worker holding most input bytes of `task`, then the least loaded.
+    fn place(&self, job: &Job, task: TaskRef) -> Option<String> {
+        let mut local_bytes: HashMap<&str, u64> = HashMap::new();
+        for (stage, index) in job.inputs_of(task.stage, task.index) {
+            if let TaskStatus::Done { worker, outputs } = &job.tasks[stage as usize][index as usize].status {
+                *local_bytes.entry(worker.as_str()).or_default() += outputs.iter().map(|o| o.bytes).sum::<u64>();
+            }
+        }
+        self.workers
+            .iter()
+            .filter(|(_, w)| (w.running.len() as u32) < w.slots)
+            .max_by_key(|(id, w)| {
+                let local = local_bytes.get(id.as_str()).copied().unwrap_or(0);
+                let free = w.slots - w.running.len() as u32;
+                (local, free, std::cmp::Reverse((*id).clone()))
+            })
+            .map(|(id, _)| id.clone())
+    }
+
+    fn start(&mut self, task: TaskRef, worker_id: &str) -> (WorkerOutbox, SchedulerMessage) {
+        let job = self.jobs.get_mut(&task.job).unwrap_or_else(|| unreachable!("placed task of a missing job"));
+        let entry = &mut job.tasks[task.stage as usize][task.index as usize];
+        entry.attempts += 1;
+        entry.status = TaskStatus::Running {
+            worker: worker_id.to_string(),
+        };
+        let attempt = entry.attempts;
+        if job.state == JobState::Pending {
+            job.state = JobState::Running;
+        }
+        job.publish();
+        let job = &self.jobs[&task.job];
+        let stage = &job.spec.stages[task.stage as usize];
+        let mut inputs = Vec::new();
+        if let Some(partition) = stage.partitions.get(task.index as usize) {
+            inputs.push(TaskInput {
+                kind: Some(task_input::Kind::Parquet(partition.clone())),
+            });
+        }
+        for (s, i) in job.inputs_of(task.stage, task.index) {
+            if let TaskStatus::Done { worker, outputs } = &job.tasks[s as usize][i as usize].status {
+                let address = self.workers.get(worker).map(|w| w.address.clone()).unwrap_or_default();
+                for (output, meta) in outputs.iter().enumerate() {
+                    inputs.push(TaskInput {
+                        kind: Some(task_input::Kind::Partition(PartitionLocation {
+                            key: Some(PartitionKey {
+                                job_id: job.id.clone(),
+                                stage: s,
+                                task: i,
+                                output: output as u32,
+                            }),
+                            worker_id: worker.clone(),
+                            address: address.clone(),
+                            rows: meta.rows,
+                            bytes: meta.bytes,
+                        })),
+                    });
+                }
+            }
+        }
+        let mut params = job.spec.params.clone();
+        params.extend(stage.params.clone());
+        let assign = AssignTask {
+            task: Some(TaskId {
+                job_id: job.id.clone(),
+                stage: task.stage,
+                index: task.index,
+                attempt,
+            }),
+            job_name: job.spec.name.clone(),
+            stage_name: stage.name.clone(),
+            task_count: stage.num_tasks,
+            module_hash: stage.module_hash.clone(),
+            module_name: self.modules.get(&stage.module_hash).map(|m| m.name.clone()).unwrap_or_default(),
+            params,
+            inputs,
+            sources: job.spec.sources.clone(),
+            sinks: job.spec.sinks.clone(),
+            limits: job.spec.limits,
+        };
+        let worker = self.workers.get_mut(worker_id).unwrap_or_else(|| unreachable!("placed on a missing worker"));
+        worker.running.insert((task.job, task.stage, task.index));
+        (worker.outbox.clone(), message(ToWorker::Assign(assign)))
+    }
+
+    /// The running task this report is about, if it is still current (not stale or foreign).
+    fn current(&self, worker_id: &str, id: &TaskId) -> Option<TaskRef> {
+        let number = *self.job_ids.get(&id.job_id)?;
+        let job = self.jobs.get(&number)?;
+        let entry = job.tasks.get(id.stage as usize)?.get(id.index as usize)?;
+        let running_here = matches!(&entry.status, TaskStatus::Running { worker } if worker == worker_id);
+        (running_here && entry.attempts == id.attempt).then_some(TaskRef {
+            job: number,
+            stage: id.stage,
+            index: id.index,
+        })
+    }
+
+    pub fn task_done(&mut self, worker_id: &str, done: TaskDone) -> Outgoing {
+        let Some(id) = done.task else {
+            return Vec::new();
+        };
+        if let Some(worker) = self.workers.get_mut(worker_id) {
+            worker.running.remove(&(self.job_ids.get(&id.job_id).copied().unwrap_or(0), id.stage, id.index));
+        }
+        let Some(task) = self.current(worker_id, &id) else {
+            return self.dispatch();
+        };
+        let job = self.jobs.get_mut(&task.job).unwrap_or_else(|| unreachable!());
+        job.tasks[task.stage as usize][task.index as usize].status = TaskStatus::Done {
+            worker: worker_id.to_string(),
+            outputs: done.outputs,
+        };
+        for &(consumer, pattern) in &job.consumers[task.stage as usize] {
+            let indices: Vec<u32> = match pattern {
+                Pattern::OneToOne => vec![task.index],
+                Pattern::All => (0..job.spec.stages[consumer as usize].num_tasks).collect(),
+            };
+            for index in indices {
+                let entry = &mut job.tasks[consumer as usize][index as usize];
+                if let TaskStatus::Waiting(n) = entry.status {
+                    entry.status = if n <= 1 {
+                        self.ready.push_back(TaskRef {
+                            job: task.job,
+                            stage: consumer,
+                            index,
+                        });
+                        TaskStatus::Ready
+                    } else {
+                        TaskStatus::Waiting(n - 1)
+                    };
+                }
+            }
+        }
+        let all_done = job.tasks.iter().flatten().all(|t| matches!(t.status, TaskStatus::Done { .. }));
+        if all_done && job.state == JobState::Running {
+            job.state = JobState::Succeeded;
+            tracing::info!(job = %job.id, name = %job.spec.name, "job succeeded");
+        }
+        job.publish();
+        self.dispatch()
+    }
+
+    pub fn task_failed(&mut self, worker_id: &str, failed: TaskFailed) -> Outgoing {
+        let Some(id) = failed.task else {
+            return Vec::new();
+        };
+        if let Some(worker) = self.workers.get_mut(worker_id) {
+            worker.running.remove(&(self.job_ids.get(&id.job_id).copied().unwrap_or(0), id.stage, id.index));
+        }
+        let Some(task) = self.current(worker_id, &id) else {
+            return self.dispatch();
+        };
+        let job = self.jobs.get_mut(&task.job).unwrap_or_else(|| unreachable!());
+        let entry = &mut job.tasks[task.stage as usize][task.index as usize];
+        let stage_name = job.spec.stages[task.stage as usize].name.clone();
+        if failed.retriable && entry.attempts < MAX_ATTEMPTS {
+            tracing::warn!(job = %job.id, stage = %stage_name, task = task.index, "retrying after: {}", failed.error);
+            entry.status = TaskStatus::Ready;
+            job.recount();
+            self.ready.push_back(task);
+            job.publish();
+            return self.dispatch();
+        }
+        let reason = format!(
+            "stage `{stage_name}` task {} failed{}: {}",
+            task.index,
+            if failed.retriable {
+                format!(" after {} attempts", entry.attempts)
+            } else {
+                String::new()
+            },
+            failed.error
+        );
+        entry.status = TaskStatus::Ready;
+        let mut out = self.finish_job(task.job, JobState::Failed, reason);
+        out.extend(self.dispatch());
+        out
+    }
+
+    /// Ends a job that is not finished yet: cancels its running tasks.
+    fn finish_job(&mut self, number: u64, state: JobState, error: String) -> Outgoing {
+        let mut out = Vec::new();
+        let Some(job) = self.jobs.get_mut(&number) else {
+            return out;
+        };
+        if is_terminal(job.state) {
+            return out;
+        }
+        tracing::warn!(job = %job.id, name = %job.spec.name, ?state, "{error}");
+        job.state = state;
+        job.error = error;
+        for (stage, tasks) in job.tasks.iter_mut().enumerate() {
+            for (index, entry) in tasks.iter_mut().enumerate() {
+                if let TaskStatus::Running { worker } = &entry.status {
+                    if let Some(w) = self.workers.get_mut(worker) {
+                        w.running.remove(&(number, stage as u32, index as u32));
+                        out.push((
+                            w.outbox.clone(),
+                            message(ToWorker::Cancel(CancelTask {
+                                task: Some(TaskId {
+                                    job_id: job.id.clone(),
+                                    stage: stage as u32,
+                                    index: index as u32,
+                                    attempt: entry.attempts,
+                                }),
+                            })),
+                        ));
+                    }
+                    entry.status = TaskStatus::Ready;
+                }
+            }
+        }
+        job.publish();
+        out
+    }
+
+    pub fn cancel(&mut self, job_id: &str) -> Result<Outgoing, StateError> {
+        let number = self.job_number(job_id)?;
+        let mut out = self.finish_job(number, JobState::Cancelled, "cancelled by the client".into());
+        out.extend(self.release(job_id)?);
+        out.extend(self.dispatch());
+        Ok(out)
+    }
+
+    /// Tells every worker to drop the job's partitions.
+    pub fn release(&mut self, job_id: &str) -> Result<Outgoing, StateError> {
+        self.job_number(job_id)?;
+        Ok(self
+            .workers
+            .values()
+            .map(|w| {
+                (
+                    w.outbox.clone(),
+                    message(ToWorker::Release(ReleaseJob {
+                        job_id: job_id.to_string(),
+                    })),
+                )
+            })
+            .collect())
+    }
+
+    /// Forgets a worker: its running tasks run again elsewhere, and outputs it held that an
+    /// unfinished job still needs are recomputed from the graph.
+    pub fn worker_lost(&mut self, worker_id: &str, reason: &str) -> Outgoing {
+        let Some(worker) = self.workers.remove(worker_id) else {
+            return Vec::new();
+        };
+        tracing::warn!(worker = %worker_id, address = %worker.address, "worker lost: {reason}");
+        for job in self.jobs.values_mut() {
+            if is_terminal(job.state) {
+                continue;
+            }
+            let mut touched = false;
+            for tasks in job.tasks.iter_mut() {
+                for entry in tasks.iter_mut() {
+                    let on_lost = match &entry.status {
+                        TaskStatus::Running { worker } | TaskStatus::Done { worker, .. } => worker == worker_id,
+                        _ => false,
+                    };
+                    if on_lost {
+                        entry.status = TaskStatus::Ready;
+                        touched = true;
+                    }
+                }
+            }
+            if touched {
+                let number = *self.job_ids.get(&job.id).unwrap_or(&0);
+                for (stage, index) in job.recount() {
+                    self.ready.push_back(TaskRef { job: number, stage, index });
+                }
+                job.publish();
+            }
+        }
+        self.dispatch()
+    }
+
+    pub fn result(&self, job_id: &str) -> Result<JobResult, StateError> {
+        let number = self.job_number(job_id)?;
+        let job = &self.jobs[&number];
+        let mut partitions = Vec::new();
+        if job.state == JobState::Succeeded {
+            for stage in job.final_stages() {
+                for (index, entry) in job.tasks[stage as usize].iter().enumerate() {
+                    if let TaskStatus::Done { worker, outputs } = &entry.status {
+                        let address = self.workers.get(worker).map(|w| w.address.clone()).unwrap_or_default();
+                        for (output, meta) in outputs.iter().enumerate() {
+                            partitions.push(PartitionLocation {
+                                key: Some(PartitionKey {
+                                    job_id: job.id.clone(),
+                                    stage,
+                                    task: index as u32,
+                                    output: output as u32,
+                                }),
+                                worker_id: worker.clone(),
+                                address: address.clone(),
+                                rows: meta.rows,
+                                bytes: meta.bytes,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(JobResult {
+            state: job.state as i32,
+            error: job.error.clone(),
+            partitions,
+        })
+    }
+
+    pub fn status(&self) -> ClusterStatus {
+        let mut workers: Vec<WorkerStatus> = self
+            .workers
+            .iter()
+            .map(|(id, w)| WorkerStatus {
+                worker_id: id.clone(),
+                data_address: w.address.clone(),
+                slots: w.slots,
+                running_tasks: w.running.len() as u32,
+                device: w.device.clone(),
+                pool_bytes: w.pool_bytes,
+                pool_used_bytes: w.pool_used_bytes,
+                partitions: w.partitions,
+            })
+            .collect();
+        workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
+        let mut jobs: Vec<(u64, JobSummary)> = self
+            .jobs
+            .iter()
+            .map(|(n, j)| {
+                (
+                    *n,
+                    JobSummary {
+                        job_id: j.id.clone(),
+                        name: j.spec.name.clone(),
+                        state: j.state as i32,
+                    },
+                )
+            })
+            .collect();
+        jobs.sort_by_key(|(n, _)| *n);
+        ClusterStatus {
+            workers,
+            jobs: jobs.into_iter().map(|(_, j)| j).collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wrk_proto::{Register, Stage, StageInput};
+
+    type Inbox = mpsc::UnboundedReceiver<Result<SchedulerMessage, tonic::Status>>;
+
+    fn add_worker(state: &mut State, id: &str, slots: u32) -> Inbox {
+        let (tx, rx) = mpsc::unbounded_channel();
+        state
+            .register_worker(
+                &Register {
+                    worker_id: id.into(),
+                    data_address: format!("http://{id}"),
+                    slots,
+                    ..Default::default()
+                },
+                tx,
+            )
+            .unwrap();
+        rx
+    }
+
+    /// map (n tasks) -> reduce (1 task, all inputs).
+    fn map_reduce(n: u32) -> JobSpec {
+        JobSpec {
+            name: "mr".into(),
+            stages: vec![
+                Stage {
+                    name: "map".into(),
+                    module_hash: "h".into(),
+                    num_tasks: n,
+                    ..Default::default()
+                },
+                Stage {
+                    name: "reduce".into(),
+                    module_hash: "h".into(),
+                    num_tasks: 1,
+                    inputs: vec![StageInput {
+                        stage: 0,
+                        pattern: Pattern::All as i32,
+                    }],
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        }
+    }
+
+    fn assigned(out: &Outgoing) -> Vec<AssignTask> {
+        out.iter()
+            .filter_map(|(_, m)| match &m.kind {
+                Some(ToWorker::Assign(a)) => Some(a.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn done(task: &AssignTask, bytes: u64) -> TaskDone {
+        TaskDone {
+            task: task.task.clone(),
+            outputs: vec![OutputMeta { rows: 1, bytes }],
+            stats: None,
+        }
+    }
+
+    fn worker_of(state: &State, task: &AssignTask) -> String {
+        let id = task.task.as_ref().unwrap();
+        let number = state.job_ids[&id.job_id];
+        match &state.jobs[&number].tasks[id.stage as usize][id.index as usize].status {
+            TaskStatus::Running { worker } => worker.clone(),
+            other => panic!("not running: {other:?}"),
+        }
+    }
+
+    fn job_state(state: &State, id: &str) -> JobState {
+        state.result(id).unwrap().state()
+    }
+
+    #[test]
+    fn map_reduce_runs_to_completion_respecting_slots() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 2);
+        let _b = add_worker(&mut state, "b", 1);
+        let (id, _) = state.submit(map_reduce(5));
+        let first = assigned(&state.dispatch());
+        assert_eq!(first.len(), 3, "three free slots");
+        let mut pending: Vec<AssignTask> = first;
+        let mut reduce = None;
+        while let Some(task) = pending.pop() {
+            let worker = worker_of(&state, &task);
+            let next = assigned(&state.task_done(&worker, done(&task, 10)));
+            for t in next {
+                if t.stage_name == "reduce" {
+                    reduce = Some(t);
+                } else {
+                    pending.push(t);
+                }
+            }
+        }
+        let reduce = reduce.expect("reduce is assigned once every map is done");
+        assert_eq!(reduce.inputs.len(), 5, "the reduce reads every map output");
+        assert_eq!(job_state(&state, &id), JobState::Running);
+        let worker = worker_of(&state, &reduce);
+        state.task_done(&worker, done(&reduce, 1));
+        let result = state.result(&id).unwrap();
+        assert_eq!(result.state(), JobState::Succeeded);
+        assert_eq!(result.partitions.len(), 1);
+        assert_eq!(result.partitions[0].key.as_ref().unwrap().stage, 1);
+    }
+
+    #[test]
+    fn placement_prefers_the_worker_holding_the_inputs() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 4);
+        let _b = add_worker(&mut state, "b", 4);
+        let mut spec = map_reduce(2);
+        spec.stages[1].inputs[0].pattern = Pattern::OneToOne as i32;
+        spec.stages[1].num_tasks = 2;
+        state.submit(spec);
+        let maps = assigned(&state.dispatch());
+        assert_eq!(maps.len(), 2);
+        let mut followers = Vec::new();
+        for m in &maps {
+            let worker = worker_of(&state, m);
+            for f in assigned(&state.task_done(&worker, done(m, 1000))) {
+                followers.push((worker.clone(), f));
+            }
+        }
+        assert_eq!(followers.len(), 2);
+        for (map_worker, follower) in followers {
+            assert_eq!(worker_of(&state, &follower), map_worker);
+        }
+    }
+
+    #[test]
+    fn fatal_failure_fails_the_job_with_the_stage_named() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let (id, _) = state.submit(map_reduce(1));
+        let task = assigned(&state.dispatch()).remove(0);
+        state.task_failed(
+            "a",
+            TaskFailed {
+                task: task.task.clone(),
+                error: "module `m.wasm` trapped".into(),
+                retriable: false,
+            },
+        );
+        let result = state.result(&id).unwrap();
+        assert_eq!(result.state(), JobState::Failed);
+        assert!(result.error.contains("stage `map` task 0 failed: module `m.wasm` trapped"), "{}", result.error);
+    }
+
+    #[test]
+    fn retriable_failure_is_retried_then_gives_up() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let (id, _) = state.submit(map_reduce(1));
+        let mut task = assigned(&state.dispatch()).remove(0);
+        for attempt in 1..=MAX_ATTEMPTS {
+            assert_eq!(task.task.as_ref().unwrap().attempt, attempt);
+            let out = state.task_failed(
+                "a",
+                TaskFailed {
+                    task: task.task.clone(),
+                    error: "peer unreachable".into(),
+                    retriable: true,
+                },
+            );
+            match assigned(&out).pop() {
+                Some(next) => task = next,
+                None => break,
+            }
+        }
+        let result = state.result(&id).unwrap();
+        assert_eq!(result.state(), JobState::Failed);
+        assert!(result.error.contains(&format!("after {MAX_ATTEMPTS} attempts")), "{}", result.error);
+    }
+
+    #[test]
+    fn lost_worker_reruns_its_tasks_and_recomputes_lost_outputs() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let _b = add_worker(&mut state, "b", 1);
+        let (id, _) = state.submit(map_reduce(2));
+        let maps = assigned(&state.dispatch());
+        assert_eq!(maps.len(), 2);
+        let (on_a, on_b): (Vec<_>, Vec<_>) = maps.into_iter().partition(|m| worker_of(&state, m) == "a");
+        // a finishes its map; then a dies while b still runs the other map.
+        state.task_done("a", done(&on_a[0], 5));
+        let out = state.worker_lost("a", "test");
+        let rerun = assigned(&out);
+        assert!(rerun.is_empty(), "b is busy: nothing can start yet");
+        let out = state.task_done("b", done(&on_b[0], 5));
+        let rerun = assigned(&out);
+        assert_eq!(rerun.len(), 1, "the map whose output died with `a` runs again");
+        assert_eq!(rerun[0].stage_name, "map");
+        assert_eq!(rerun[0].task.as_ref().unwrap().attempt, 2);
+        let reduce = assigned(&state.task_done("b", done(&rerun[0], 5))).remove(0);
+        assert!(reduce.inputs.iter().all(|i| matches!(&i.kind, Some(task_input::Kind::Partition(p)) if p.worker_id == "b")));
+        state.task_done("b", done(&reduce, 1));
+        assert_eq!(job_state(&state, &id), JobState::Succeeded);
+    }
+
+    #[test]
+    fn stale_reports_are_ignored() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let (id, _) = state.submit(map_reduce(1));
+        let task = assigned(&state.dispatch()).remove(0);
+        state.task_done("someone-else", done(&task, 1));
+        assert_eq!(job_state(&state, &id), JobState::Running);
+        let mut old = task.clone();
+        old.task.as_mut().unwrap().attempt = 7;
+        state.task_done("a", done(&old, 1));
+        assert_eq!(state.result(&id).unwrap().state(), JobState::Running);
+    }
+
+    #[test]
+    fn cancel_stops_running_tasks_and_releases_data() {
+        let mut state = State::new();
+        let mut a = add_worker(&mut state, "a", 2);
+        let (id, _) = state.submit(map_reduce(3));
+        state.dispatch();
+        let out = state.cancel(&id).unwrap();
+        let cancels = out.iter().filter(|(_, m)| matches!(m.kind, Some(ToWorker::Cancel(_)))).count();
+        let releases = out.iter().filter(|(_, m)| matches!(m.kind, Some(ToWorker::Release(_)))).count();
+        assert_eq!((cancels, releases), (2, 1));
+        assert!(assigned(&out).is_empty(), "nothing of a cancelled job starts");
+        assert_eq!(job_state(&state, &id), JobState::Cancelled);
+        drop(a.try_recv());
+    }
+}
