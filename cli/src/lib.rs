@@ -1,1 +1,13 @@
-//! placeholder
+//! The `wrk` command line, as a library so tests and tools can drive the same code.
+//!
+//! - [`job`]: job files and their translation into job graphs.
+//! - [`client`]: submitting jobs, following progress, fetching results.
+//! - [`local`]: the embedded local cluster.
+//! - [`taxi`]: the deterministic taxi-trip data generator.
+//! - [`output`]: printing and writing results.
+
+pub mod client;
+pub mod job;
+pub mod local;
+pub mod output;
+pub mod taxi;

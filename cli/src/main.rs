@@ -1,1 +1,413 @@
-fn main(){}
+//! `wrk`: submit jobs, run a local cluster, a scheduler or a worker, run one task, generate data.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use wrk_cli::job::{self, Overrides};
+use wrk_cli::local::{LocalCluster, LocalClusterConfig};
+use wrk_cli::{client, output, taxi};
+use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
+use wrk_host::guest_api::TaskInfo;
+use wrk_host::table::Table;
+use wrk_host::worker::WorkerConfig;
+use wrk_proto::{JobRef, JobState};
+use wrk_scheduler::SchedulerConfig;
+
+#[derive(Parser)]
+#[command(name = "wrk", version, about = "Sandboxed WebAssembly dataframe tasks on a pool of GPU (or CPU) workers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a job file, on the scheduler given or on an embedded local cluster.
+    Submit(SubmitArgs),
+    /// Start a local cluster (scheduler + workers in this process) and keep it up.
+    Up {
+        #[command(flatten)]
+        cluster: ClusterArgs,
+        /// Where the scheduler listens.
+        #[arg(long, default_value = "127.0.0.1:7070")]
+        listen: SocketAddr,
+    },
+    /// Run the scheduler.
+    Scheduler {
+        #[arg(long, default_value = "0.0.0.0:7070")]
+        listen: SocketAddr,
+        /// How often workers heartbeat, in milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        heartbeat_ms: u64,
+        /// Seconds without a heartbeat before a worker is declared lost.
+        #[arg(long, default_value_t = 10.0)]
+        worker_timeout_secs: f64,
+    },
+    /// Run a worker attached to a scheduler.
+    Worker(WorkerArgs),
+    /// Show the workers and jobs of a cluster.
+    Status {
+        #[arg(long, env = "WRK_SCHEDULER", default_value = "http://127.0.0.1:7070")]
+        scheduler: String,
+    },
+    /// Cancel a job.
+    Cancel {
+        job_id: String,
+        #[arg(long, env = "WRK_SCHEDULER", default_value = "http://127.0.0.1:7070")]
+        scheduler: String,
+    },
+    /// Run one task on one Parquet file, without a cluster.
+    Run(RunArgs),
+    /// Write a deterministic taxi-trip dataset (Parquet) for the haversine example.
+    GenTaxi {
+        #[arg(long, default_value = "data/taxi")]
+        out: PathBuf,
+        #[arg(long, default_value_t = 10_000_000)]
+        rows: u64,
+        #[arg(long, default_value_t = 8)]
+        files: u32,
+        #[arg(long, default_value_t = 1_000_000)]
+        row_group_rows: usize,
+        #[arg(long, default_value_t = 2024)]
+        seed: u64,
+    },
+}
+
+#[derive(clap::Args, Clone)]
+struct ClusterArgs {
+    /// Workers of the embedded cluster (default: one per core).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Tasks each worker runs at once.
+    #[arg(long, default_value_t = 2)]
+    slots: u32,
+    /// Where compiled components are cached.
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct SubmitArgs {
+    /// The job file (TOML).
+    job: PathBuf,
+    /// A running scheduler; without it the job runs on an embedded local cluster.
+    #[arg(long, env = "WRK_SCHEDULER")]
+    scheduler: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Write the result to this Parquet file instead of printing it.
+    #[arg(long, short)]
+    output: Option<PathBuf>,
+    /// Rows of the result to print.
+    #[arg(long, default_value_t = 50)]
+    max_rows: usize,
+    /// Set a job parameter (KEY=VALUE), overriding the job file.
+    #[arg(long = "param", value_parser = job::key_value)]
+    params: Vec<(String, String)>,
+    /// Point a source at another path (NAME=PATH).
+    #[arg(long = "source", value_parser = job::key_value)]
+    sources: Vec<(String, String)>,
+    /// Point a sink at another path (NAME=PATH).
+    #[arg(long = "sink", value_parser = job::key_value)]
+    sinks: Vec<(String, String)>,
+    /// No progress bars.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(clap::Args)]
+struct WorkerArgs {
+    #[arg(long, env = "WRK_SCHEDULER", default_value = "http://127.0.0.1:7070")]
+    scheduler: String,
+    /// Where the worker serves its partitions to peers.
+    #[arg(long, default_value = "0.0.0.0:0")]
+    listen: SocketAddr,
+    /// Host name or IP peers use to reach this worker (default: the listen IP, or 127.0.0.1).
+    #[arg(long, env = "WRK_ADVERTISE_HOST")]
+    advertise_host: Option<String>,
+    #[arg(long)]
+    id: Option<String>,
+    #[arg(long, default_value_t = 2)]
+    slots: u32,
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Default linear-memory cap of one task, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    task_memory_mib: u64,
+    /// Default time limit of one task, in seconds.
+    #[arg(long, default_value_t = 600.0)]
+    task_timeout_secs: f64,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// The task component (.wasm).
+    module: PathBuf,
+    /// Parquet input files, one input table each.
+    #[arg(long = "input")]
+    inputs: Vec<PathBuf>,
+    /// The stage name the task sees.
+    #[arg(long, default_value = "main")]
+    stage: String,
+    #[arg(long = "param", value_parser = job::key_value)]
+    params: Vec<(String, String)>,
+    /// Grant a source (NAME=PATH).
+    #[arg(long = "source", value_parser = job::key_value)]
+    sources: Vec<(String, String)>,
+    /// Grant a sink (NAME=PATH).
+    #[arg(long = "sink", value_parser = job::key_value)]
+    sinks: Vec<(String, String)>,
+    /// Write the first output table to this Parquet file instead of printing it.
+    #[arg(long, short)]
+    output: Option<PathBuf>,
+    #[arg(long, default_value_t = 50)]
+    max_rows: usize,
+    #[arg(long, default_value_t = 1024)]
+    task_memory_mib: u64,
+    #[arg(long, default_value_t = 600.0)]
+    task_timeout_secs: f64,
+}
+
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2)
+}
+
+/// Logs go to stderr; `WRK_LOG` overrides the default filter (`info` for long-running services,
+/// `warn` for one-shot commands).
+fn init_tracing(default: &str) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WRK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let service = matches!(cli.command, Command::Up { .. } | Command::Scheduler { .. } | Command::Worker(_));
+    init_tracing(if service { "info" } else { "warn" });
+    match cli.command {
+        Command::Submit(args) => submit(args).await,
+        Command::Up { cluster, listen } => up(cluster, listen).await,
+        Command::Scheduler {
+            listen,
+            heartbeat_ms,
+            worker_timeout_secs,
+        } => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot listen on {listen}"))?;
+            eprintln!("wrk scheduler listening on {}", listener.local_addr()?);
+            let config = SchedulerConfig {
+                heartbeat_interval: Duration::from_millis(heartbeat_ms.max(10)),
+                worker_timeout: Duration::from_secs_f64(worker_timeout_secs.max(0.1)),
+            };
+            wrk_scheduler::serve(listener, config, shutdown_signal()).await?;
+            Ok(())
+        }
+        Command::Worker(args) => {
+            let config = WorkerConfig {
+                scheduler: args.scheduler,
+                listen: args.listen,
+                advertise_host: args.advertise_host,
+                worker_id: args.id,
+                slots: args.slots,
+                engine: EngineConfig {
+                    cache_dir: args.cache_dir,
+                    max_concurrent_tasks: args.slots,
+                    default_task_memory: args.task_memory_mib << 20,
+                    default_task_timeout: Duration::from_secs_f64(args.task_timeout_secs.max(0.01)),
+                },
+                connect_timeout: Duration::from_secs(30),
+            };
+            wrk_host::worker::run(config, shutdown_signal()).await?;
+            Ok(())
+        }
+        Command::Status { scheduler } => status(&scheduler).await,
+        Command::Cancel { job_id, scheduler } => {
+            client::connect(&scheduler)
+                .await?
+                .cancel_job(JobRef { job_id: job_id.clone() })
+                .await
+                .with_context(|| format!("cannot cancel job `{job_id}`"))?;
+            println!("cancelled {job_id}");
+            Ok(())
+        }
+        Command::Run(args) => run_one(args).await,
+        Command::GenTaxi {
+            out,
+            rows,
+            files,
+            row_group_rows,
+            seed,
+        } => {
+            let config = taxi::TaxiConfig {
+                rows,
+                files,
+                row_group_rows,
+                seed,
+            };
+            let started = std::time::Instant::now();
+            tokio::task::spawn_blocking(move || taxi::generate(&out, &config).map(|()| out)).await??;
+            eprintln!("wrote {rows} trips in {:.1?}", started.elapsed());
+            Ok(())
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+async fn submit(args: SubmitArgs) -> Result<()> {
+    let overrides = Overrides {
+        params: args.params,
+        sources: args.sources,
+        sinks: args.sinks,
+    };
+    let job_path = args.job.clone();
+    let spec = tokio::task::spawn_blocking(move || job::plan(&job_path, &overrides)).await??;
+    let name = spec.name.clone();
+    let (url, cluster) = match args.scheduler {
+        Some(url) => (url, None),
+        None => {
+            let workers = args.cluster.workers.unwrap_or_else(default_workers);
+            let cluster = LocalCluster::start(LocalClusterConfig {
+                workers,
+                slots_per_worker: args.cluster.slots,
+                listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                cache_dir: args.cluster.cache_dir,
+            })
+            .await?;
+            cluster.wait_for_workers(workers, Duration::from_secs(30)).await?;
+            (cluster.scheduler_url.clone(), Some(cluster))
+        }
+    };
+    let outcome = client::run_job(&url, spec, !args.quiet).await;
+    if let Some(cluster) = cluster {
+        cluster.shutdown().await;
+    }
+    let outcome = outcome?;
+    let seconds = outcome.elapsed.as_secs_f64();
+    eprintln!(
+        "job `{name}` ({}) succeeded: {} tasks in {seconds:.3} s ({:.0} tasks/s)",
+        outcome.job_id,
+        outcome.tasks,
+        outcome.tasks as f64 / seconds.max(1e-9)
+    );
+    let Some(batch) = output::combine(&outcome.tables)? else {
+        eprintln!("the job returned no tables");
+        return Ok(());
+    };
+    match args.output {
+        Some(path) => {
+            output::write_parquet(&path, &batch)?;
+            eprintln!("wrote {} rows to {}", batch.num_rows(), path.display());
+        }
+        None => output::print(&batch, args.max_rows)?,
+    }
+    Ok(())
+}
+
+async fn up(cluster: ClusterArgs, listen: SocketAddr) -> Result<()> {
+    let workers = cluster.workers.unwrap_or_else(default_workers);
+    let local = LocalCluster::start(LocalClusterConfig {
+        workers,
+        slots_per_worker: cluster.slots,
+        listen,
+        cache_dir: cluster.cache_dir,
+    })
+    .await?;
+    local.wait_for_workers(workers, Duration::from_secs(30)).await?;
+    eprintln!(
+        "wrk local cluster up: scheduler {} with {workers} workers; Ctrl-C stops it",
+        local.scheduler_url
+    );
+    shutdown_signal().await;
+    local.shutdown().await;
+    Ok(())
+}
+
+async fn status(url: &str) -> Result<()> {
+    let status = client::cluster_status(url).await?;
+    println!("workers: {}", status.workers.len());
+    for w in &status.workers {
+        println!(
+            "  {:<24} {:<28} {:<6} tasks {}/{}  partitions {}  memory {:.1} MiB",
+            w.worker_id,
+            w.data_address,
+            w.device,
+            w.running_tasks,
+            w.slots,
+            w.partitions,
+            w.pool_used_bytes as f64 / (1 << 20) as f64
+        );
+    }
+    println!("jobs: {}", status.jobs.len());
+    for j in &status.jobs {
+        let state = JobState::try_from(j.state).unwrap_or(JobState::Unspecified);
+        println!("  {:<12} {:<24} {}", j.job_id, j.name, state.as_str_name());
+    }
+    Ok(())
+}
+
+async fn run_one(args: RunArgs) -> Result<()> {
+    let wasm = std::fs::read(&args.module).with_context(|| format!("cannot read module `{}`", args.module.display()))?;
+    let name = args
+        .module
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| args.module.display().to_string());
+    let inputs = args.inputs.clone();
+    let engine = Arc::new(TaskEngine::new(EngineConfig::default())?);
+    let limits = TaskLimits {
+        memory_bytes: args.task_memory_mib << 20,
+        timeout: Duration::from_secs_f64(args.task_timeout_secs.max(0.01)),
+    };
+    let info = Arc::new(TaskInfo {
+        job_id: "local".into(),
+        job_name: "run".into(),
+        stage_name: args.stage.clone(),
+        task_index: 0,
+        task_count: 1,
+        params: args.params.into_iter().collect(),
+        sources: args.sources.into_iter().collect(),
+        sinks: args.sinks.into_iter().collect(),
+        module_name: name.clone(),
+    });
+    let run = tokio::task::spawn_blocking(move || -> Result<_> {
+        let tables = inputs
+            .iter()
+            .map(|path| wrk_host::io::read_source(&path.to_string_lossy(), &[], None).map(Table::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let compiled = engine.prepare(&name, &module_hash(&wasm), &wasm)?;
+        Ok(engine.run(&compiled, info, tables, limits)?)
+    })
+    .await??;
+    eprintln!(
+        "task finished in {:.1?} (instantiation {:.1?}); {} output table(s)",
+        run.duration,
+        run.instantiate,
+        run.outputs.len()
+    );
+    match (args.output, run.outputs.first()) {
+        (Some(path), Some(first)) => {
+            output::write_parquet(&path, first.batch())?;
+            eprintln!("wrote {} rows to {}", first.num_rows(), path.display());
+        }
+        _ => {
+            for table in &run.outputs {
+                output::print(table.batch(), args.max_rows)?;
+            }
+        }
+    }
+    Ok(())
+}

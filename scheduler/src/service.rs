@@ -20,7 +20,7 @@ use wrk_proto::{
 };
 
 use crate::graph;
-use crate::state::{Outgoing, State, StateError};
+use crate::state::{Outgoing, State, StateError, WORKER_LEFT};
 
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulerConfig {
@@ -140,7 +140,7 @@ impl Scheduler for SchedulerService {
                         };
                         send(out);
                     }
-                    Ok(None) => break "it closed its channel".to_string(),
+                    Ok(None) => break WORKER_LEFT.to_string(),
                     Err(status) => break format!("its channel failed: {}", status.message()),
                 }
             };

@@ -19,6 +19,9 @@ use wrk_proto::{
 /// Where a worker's control messages go.
 pub type WorkerOutbox = mpsc::UnboundedSender<Result<SchedulerMessage, tonic::Status>>;
 
+/// The reason given when a worker closes its channel itself.
+pub const WORKER_LEFT: &str = "it closed its channel";
+
 /// Attempts of a task that failed with a retriable error before the job fails.
 pub const MAX_ATTEMPTS: u32 = 4;
 
@@ -594,7 +597,11 @@ impl State {
         let Some(worker) = self.workers.remove(worker_id) else {
             return Vec::new();
         };
-        tracing::warn!(worker = %worker_id, address = %worker.address, "worker lost: {reason}");
+        if worker.running.is_empty() && reason == WORKER_LEFT {
+            tracing::info!(worker = %worker_id, address = %worker.address, "worker left");
+        } else {
+            tracing::warn!(worker = %worker_id, address = %worker.address, "worker lost: {reason}");
+        }
         for job in self.jobs.values_mut() {
             if is_terminal(job.state) {
                 continue;

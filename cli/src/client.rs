@@ -1,0 +1,146 @@
+//! Client side of the scheduler API: submit a job, follow its progress with a bar per stage, and
+//! fetch its results straight from the workers that hold them.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tonic::transport::Channel;
+use wrk_host::table::Table;
+use wrk_host::transfer::PeerClient;
+use wrk_proto::scheduler_client::SchedulerClient;
+use wrk_proto::{ClusterStatus, Empty, JobProgress, JobRef, JobSpec, JobState, MAX_MESSAGE_BYTES, SubmitJobRequest};
+
+pub async fn connect(url: &str) -> Result<SchedulerClient<Channel>> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .with_context(|| format!("`{url}` is not a valid scheduler address"))?
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach the scheduler at {url}"))?;
+    Ok(SchedulerClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+}
+
+pub async fn cluster_status(url: &str) -> Result<ClusterStatus> {
+    Ok(connect(url).await?.get_cluster_status(Empty {}).await?.into_inner())
+}
+
+/// A finished job: its id, its result tables, and what it cost.
+pub struct JobOutcome {
+    pub job_id: String,
+    pub tables: Vec<Table>,
+    pub tasks: u64,
+    pub elapsed: Duration,
+}
+
+/// Shows one bar per stage.
+struct Bars {
+    multi: MultiProgress,
+    bars: Vec<ProgressBar>,
+}
+
+impl Bars {
+    fn new(spec: &JobSpec, visible: bool) -> Self {
+        let target = if visible {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        };
+        let multi = MultiProgress::with_draw_target(target);
+        let style = ProgressStyle::with_template("{prefix:>16} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
+        let bars = spec
+            .stages
+            .iter()
+            .map(|stage| {
+                let bar = multi.add(ProgressBar::new(u64::from(stage.num_tasks)));
+                bar.set_style(style.clone());
+                bar.set_prefix(stage.name.clone());
+                bar
+            })
+            .collect();
+        Bars { multi, bars }
+    }
+
+    fn update(&self, progress: &JobProgress) {
+        for (bar, stage) in self.bars.iter().zip(&progress.stages) {
+            bar.set_position(u64::from(stage.done));
+            if stage.running > 0 {
+                bar.set_message(format!("{} running", stage.running));
+            } else {
+                bar.set_message("");
+            }
+        }
+    }
+
+    fn finish(&self) {
+        for bar in &self.bars {
+            bar.finish();
+        }
+        let _ = self.multi.clear();
+    }
+}
+
+/// Submits `spec`, follows it to the end and fetches its results; cancels it on Ctrl-C.
+pub async fn run_job(url: &str, spec: JobSpec, show_progress: bool) -> Result<JobOutcome> {
+    let mut client = connect(url).await?;
+    let name = spec.name.clone();
+    let tasks: u64 = spec.stages.iter().map(|s| u64::from(s.num_tasks)).sum();
+    let bars = Bars::new(&spec, show_progress);
+    let started = Instant::now();
+    let job_id = client
+        .submit_job(SubmitJobRequest { job: Some(spec) })
+        .await
+        .map_err(|s| anyhow::anyhow!("the scheduler refused job `{name}`: {}", s.message()))?
+        .into_inner()
+        .job_id;
+    let job = JobRef { job_id: job_id.clone() };
+    let mut progress = client.watch_job(job.clone()).await?.into_inner();
+    let last = loop {
+        tokio::select! {
+            message = progress.message() => match message? {
+                Some(p) => {
+                    bars.update(&p);
+                    if matches!(p.state(), JobState::Succeeded | JobState::Failed | JobState::Cancelled) {
+                        break p;
+                    }
+                }
+                None => bail!("the scheduler stopped reporting on job `{name}` ({job_id})"),
+            },
+            _ = tokio::signal::ctrl_c() => {
+                bars.finish();
+                let _ = client.cancel_job(job.clone()).await;
+                bail!("job `{name}` ({job_id}) cancelled by Ctrl-C");
+            }
+        }
+    };
+    bars.finish();
+    let elapsed = started.elapsed();
+    match last.state() {
+        JobState::Succeeded => {}
+        JobState::Cancelled => bail!("job `{name}` ({job_id}) was cancelled"),
+        _ => bail!("job `{name}` ({job_id}) failed: {}", last.error),
+    }
+    let result = client.get_job_result(job.clone()).await?.into_inner();
+    let peers = PeerClient::new();
+    let mut tables = Vec::with_capacity(result.partitions.len());
+    for location in &result.partitions {
+        let key = location.key.clone().unwrap_or_default();
+        tables.push(
+            peers
+                .fetch(&location.address, &key)
+                .await
+                .with_context(|| format!("fetching the results of job `{name}`"))?,
+        );
+    }
+    client.release_job(job).await?;
+    Ok(JobOutcome {
+        job_id,
+        tables,
+        tasks,
+        elapsed,
+    })
+}

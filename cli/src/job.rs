@@ -1,0 +1,330 @@
+//! Job files: the TOML a data engineer writes, and its translation into the scheduler's job graph
+//! (modules read and hashed, sources split into partitions by row groups).
+//!
+//! ```toml
+//! name = "taxi-haversine"
+//! module = "../../target/wasm32-wasip2/release/taxi_haversine.wasm"  # default for every stage
+//!
+//! [params]
+//! radius_km = "6371"
+//!
+//! [sources.trips]
+//! path = "../../data/taxi"        # relative paths are relative to this file
+//!
+//! [[stage]]
+//! name = "distance"
+//! source = "trips"                # one task per partition of the source
+//! columns = ["pickup_longitude"]  # projection (optional)
+//!
+//! [[stage]]
+//! name = "summary"
+//! inputs = ["distance"]           # every output of `distance`, in one task
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+use wrk_proto::stage_input::Pattern;
+use wrk_proto::{Grant, JobSpec, Limits, Module, Stage, StageInput};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobFile {
+    pub name: String,
+    /// Default module for stages that name none.
+    pub module: Option<PathBuf>,
+    #[serde(default)]
+    pub params: BTreeMap<String, toml::Value>,
+    #[serde(default)]
+    pub sources: BTreeMap<String, PathEntry>,
+    #[serde(default)]
+    pub sinks: BTreeMap<String, PathEntry>,
+    #[serde(default)]
+    pub limits: LimitsEntry,
+    #[serde(rename = "stage", default)]
+    pub stages: Vec<StageEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PathEntry {
+    pub path: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsEntry {
+    pub task_timeout_secs: Option<f64>,
+    pub task_memory_mib: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageEntry {
+    pub name: String,
+    pub module: Option<PathBuf>,
+    /// Read this source: one task per partition.
+    pub source: Option<String>,
+    #[serde(default)]
+    pub columns: Vec<String>,
+    /// Target partition size in MiB (default 256).
+    pub partition_mib: Option<u64>,
+    /// Consume earlier stages' outputs.
+    #[serde(default)]
+    pub inputs: Vec<InputEntry>,
+    /// Task count for a stage with neither a source nor one-to-one inputs (default 1).
+    pub tasks: Option<u32>,
+    #[serde(default)]
+    pub params: BTreeMap<String, toml::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum InputEntry {
+    /// `"stage"`: every output of that stage.
+    All(String),
+    /// `{ stage = "x", pattern = "one-to-one" | "all" }`.
+    Detailed { stage: String, pattern: PatternEntry },
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PatternEntry {
+    OneToOne,
+    All,
+}
+
+/// Overrides given on the command line.
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub params: Vec<(String, String)>,
+    pub sources: Vec<(String, String)>,
+    pub sinks: Vec<(String, String)>,
+}
+
+fn param_text(value: &toml::Value) -> String {
+    match value {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn resolve(base: &Path, path: &str) -> String {
+    if path.contains("://") || Path::new(path).is_absolute() {
+        path.to_string()
+    } else {
+        base.join(path).to_string_lossy().into_owned()
+    }
+}
+
+/// Reads a job file.
+pub fn load(path: &Path) -> Result<JobFile> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read job file `{}`", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("job file `{}` is not valid", path.display()))
+}
+
+/// Builds the job graph of a job file located at `path`.
+pub fn plan(path: &Path, overrides: &Overrides) -> Result<JobSpec> {
+    let file = load(path)?;
+    let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    build_spec(file, &base, overrides).with_context(|| format!("job file `{}`", path.display()))
+}
+
+fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSpec> {
+    if file.stages.is_empty() {
+        bail!("the job has no [[stage]]");
+    }
+    let mut params: HashMap<String, String> = file.params.iter().map(|(k, v)| (k.clone(), param_text(v))).collect();
+    params.extend(overrides.params.iter().cloned());
+    let mut sources: HashMap<String, Grant> = file
+        .sources
+        .iter()
+        .map(|(k, v)| (k.clone(), Grant { uri: resolve(base, &v.path) }))
+        .collect();
+    for (name, uri) in &overrides.sources {
+        sources.insert(name.clone(), Grant { uri: uri.clone() });
+    }
+    let mut sinks: HashMap<String, Grant> = file
+        .sinks
+        .iter()
+        .map(|(k, v)| (k.clone(), Grant { uri: resolve(base, &v.path) }))
+        .collect();
+    for (name, uri) in &overrides.sinks {
+        sinks.insert(name.clone(), Grant { uri: uri.clone() });
+    }
+
+    let mut modules: Vec<Module> = Vec::new();
+    let mut module_hashes: HashMap<PathBuf, String> = HashMap::new();
+    let mut stages: Vec<Stage> = Vec::new();
+    let mut stage_index: HashMap<String, u32> = HashMap::new();
+    for entry in &file.stages {
+        let module_path = entry
+            .module
+            .as_ref()
+            .or(file.module.as_ref())
+            .with_context(|| format!("stage `{}` names no module and the job has no default `module`", entry.name))?;
+        let module_path = PathBuf::from(resolve(base, &module_path.to_string_lossy()));
+        let hash = match module_hashes.get(&module_path) {
+            Some(hash) => hash.clone(),
+            None => {
+                let wasm = std::fs::read(&module_path).with_context(|| {
+                    format!("stage `{}`: cannot read module `{}`", entry.name, module_path.display())
+                })?;
+                let hash = wrk_host::engine::module_hash(&wasm);
+                let name = module_path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| module_path.display().to_string());
+                modules.push(Module {
+                    hash: hash.clone(),
+                    wasm,
+                    name,
+                });
+                module_hashes.insert(module_path.clone(), hash.clone());
+                hash
+            }
+        };
+
+        let mut inputs = Vec::new();
+        let mut one_to_one_tasks = None;
+        for input in &entry.inputs {
+            let (name, pattern) = match input {
+                InputEntry::All(name) => (name, Pattern::All),
+                InputEntry::Detailed { stage, pattern } => (
+                    stage,
+                    match pattern {
+                        PatternEntry::OneToOne => Pattern::OneToOne,
+                        PatternEntry::All => Pattern::All,
+                    },
+                ),
+            };
+            let Some(&index) = stage_index.get(name) else {
+                bail!("stage `{}` takes input from `{name}`, which is not an earlier stage", entry.name);
+            };
+            if pattern == Pattern::OneToOne {
+                one_to_one_tasks = Some(stages[index as usize].num_tasks);
+            }
+            inputs.push(StageInput {
+                stage: index,
+                pattern: pattern as i32,
+            });
+        }
+
+        let partitions = match &entry.source {
+            Some(source) => {
+                let Some(grant) = sources.get(source) else {
+                    let known: Vec<&String> = sources.keys().collect();
+                    bail!("stage `{}` reads source `{source}`, which the job does not declare (sources: {known:?})", entry.name);
+                };
+                let target = entry
+                    .partition_mib
+                    .map(|m| m.max(1) << 20)
+                    .unwrap_or(wrk_host::io::DEFAULT_PARTITION_BYTES);
+                wrk_host::io::plan_partitions(&grant.uri, &entry.columns, target)
+                    .with_context(|| format!("stage `{}`: planning source `{source}`", entry.name))?
+            }
+            None => Vec::new(),
+        };
+        let num_tasks = if !partitions.is_empty() {
+            partitions.len() as u32
+        } else if let Some(n) = one_to_one_tasks {
+            n
+        } else {
+            entry.tasks.unwrap_or(1)
+        };
+        stage_index.insert(entry.name.clone(), stages.len() as u32);
+        stages.push(Stage {
+            name: entry.name.clone(),
+            module_hash: hash,
+            params: entry.params.iter().map(|(k, v)| (k.clone(), param_text(v))).collect(),
+            num_tasks,
+            partitions,
+            inputs,
+        });
+    }
+    Ok(JobSpec {
+        name: file.name,
+        params,
+        modules,
+        stages,
+        sources,
+        sinks,
+        limits: Some(Limits {
+            task_timeout_ms: file.limits.task_timeout_secs.map(|s| (s * 1000.0) as u64).unwrap_or(0),
+            task_memory_bytes: file.limits.task_memory_mib.map(|m| m << 20).unwrap_or(0),
+        }),
+    })
+}
+
+/// Parses `key=value`.
+pub fn key_value(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("expected KEY=VALUE, got `{text}`"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_module(dir: &Path) {
+        std::fs::write(dir.join("m.wasm"), b"not really wasm, hashed only").unwrap();
+    }
+
+    #[test]
+    fn stages_inputs_and_task_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        write_module(dir.path());
+        let file: JobFile = toml::from_str(
+            r#"
+            name = "j"
+            module = "m.wasm"
+            [params]
+            k = 3
+            [[stage]]
+            name = "gen"
+            tasks = 4
+            [[stage]]
+            name = "map"
+            inputs = [{ stage = "gen", pattern = "one-to-one" }]
+            [[stage]]
+            name = "reduce"
+            inputs = ["map"]
+            params = { phase = "final" }
+            "#,
+        )
+        .unwrap();
+        let spec = build_spec(file, dir.path(), &Overrides::default()).unwrap();
+        let counts: Vec<u32> = spec.stages.iter().map(|s| s.num_tasks).collect();
+        assert_eq!(counts, vec![4, 4, 1]);
+        assert_eq!(spec.modules.len(), 1, "one module shared by every stage is sent once");
+        assert_eq!(spec.params["k"], "3");
+        assert_eq!(spec.stages[2].params["phase"], "final");
+        assert_eq!(spec.stages[1].inputs[0].pattern(), Pattern::OneToOne);
+        assert_eq!(spec.stages[2].inputs[0].pattern(), Pattern::All);
+    }
+
+    #[test]
+    fn unknown_stage_source_and_module_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        write_module(dir.path());
+        let bad = |text: &str| {
+            let file: JobFile = toml::from_str(text).unwrap();
+            format!("{:#}", build_spec(file, dir.path(), &Overrides::default()).unwrap_err())
+        };
+        let err = bad("name='j'\nmodule='m.wasm'\n[[stage]]\nname='a'\ninputs=['b']");
+        assert!(err.contains("stage `a` takes input from `b`"), "{err}");
+        let err = bad("name='j'\nmodule='m.wasm'\n[[stage]]\nname='a'\nsource='trips'");
+        assert!(err.contains("reads source `trips`, which the job does not declare"), "{err}");
+        let err = bad("name='j'\n[[stage]]\nname='a'\nmodule='missing.wasm'");
+        assert!(err.contains("stage `a`: cannot read module") && err.contains("missing.wasm"), "{err}");
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let err = toml::from_str::<JobFile>("name='j'\n[[stage]]\nname='a'\nmodlue='x'").unwrap_err();
+        assert!(err.to_string().contains("modlue"), "{err}");
+    }
+}

@@ -1,0 +1,102 @@
+//! The embedded local cluster: the real scheduler and N real workers in this process, talking
+//! gRPC over 127.0.0.1, exactly as they do across machines.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use wrk_host::engine::EngineConfig;
+use wrk_host::worker::{self, WorkerConfig};
+use wrk_scheduler::SchedulerConfig;
+
+#[derive(Debug, Clone)]
+pub struct LocalClusterConfig {
+    pub workers: usize,
+    pub slots_per_worker: u32,
+    /// Where the scheduler listens; port 0 picks a free one.
+    pub listen: SocketAddr,
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// A running local cluster; dropping it does not stop it, [`LocalCluster::shutdown`] does.
+pub struct LocalCluster {
+    pub scheduler_url: String,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+impl LocalCluster {
+    pub async fn start(config: LocalClusterConfig) -> Result<Self> {
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", config.listen))?;
+        let address = listener.local_addr()?;
+        let scheduler_url = format!("http://{address}");
+        let (stop, stop_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+        let scheduler_stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = wrk_scheduler::serve(listener, SchedulerConfig::default(), stopped(scheduler_stop)).await {
+                tracing::error!("scheduler stopped: {e}");
+            }
+        }));
+        for index in 0..config.workers.max(1) {
+            let worker_config = WorkerConfig {
+                scheduler: scheduler_url.clone(),
+                listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                advertise_host: None,
+                worker_id: Some(format!("local-{index}")),
+                slots: config.slots_per_worker,
+                engine: EngineConfig {
+                    cache_dir: config.cache_dir.clone(),
+                    max_concurrent_tasks: config.slots_per_worker,
+                    ..EngineConfig::default()
+                },
+                connect_timeout: Duration::from_secs(10),
+            };
+            let worker_stop = stop_rx.clone();
+            tasks.push(tokio::spawn(async move {
+                if let Err(e) = worker::run(worker_config, stopped(worker_stop)).await {
+                    tracing::error!("local worker {index} stopped: {e}");
+                }
+            }));
+        }
+        Ok(LocalCluster {
+            scheduler_url,
+            stop,
+            tasks,
+        })
+    }
+
+    /// Waits until `workers` workers have registered (or fails after `timeout`).
+    pub async fn wait_for_workers(&self, workers: usize, timeout: Duration) -> Result<()> {
+        let started = std::time::Instant::now();
+        loop {
+            let status = crate::client::cluster_status(&self.scheduler_url).await;
+            if let Ok(status) = &status
+                && status.workers.len() >= workers
+            {
+                return Ok(());
+            }
+            if started.elapsed() > timeout {
+                anyhow::bail!("local cluster: only {:?} of {workers} workers registered after {timeout:?}", status.map(|s| s.workers.len()));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! Helpers shared by the integration tests: building the guests and the `wrk` binary once per
+//! test binary, generating taxi data, and the reference answer computed directly in Rust.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use arrow::array::{Array, AsArray};
+use arrow::datatypes::{Float64Type, Int32Type, Int64Type};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+
+/// `target/` of the running test binary (`target/debug/deps/<test>`).
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.ancestors().nth(3).expect("target directory").to_path_buf()
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    // The guests build for another target: flags meant for the host must not leak into them.
+    command
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .current_dir(workspace_root());
+    command
+}
+
+const GUESTS: [&str; 5] = ["taxi-haversine", "noop", "test-guest-trap", "test-guest-spin", "test-guest-hog"];
+
+/// The path of a guest component, building every test guest once.
+pub fn guest(crate_name: &str) -> PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let mut command = cargo();
+        command.args(["build", "--release", "--target", "wasm32-wasip2"]);
+        for g in GUESTS {
+            command.args(["-p", g]);
+        }
+        let status = command.status().expect("run cargo to build the guests");
+        assert!(status.success(), "building the guests failed");
+    });
+    target_dir()
+        .join("wasm32-wasip2/release")
+        .join(format!("{}.wasm", crate_name.replace('-', "_")))
+}
+
+/// The `wrk` binary of this build.
+pub fn wrk() -> PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let status = cargo()
+            .args(["build", "-p", "wrk-cli", "--bin", "wrk"])
+            .status()
+            .expect("run cargo to build wrk");
+        assert!(status.success(), "building wrk failed");
+    });
+    target_dir().join("debug").join("wrk")
+}
+
+/// A deterministic taxi dataset in a temporary directory.
+pub fn taxi_dataset(rows: u64, files: u32, row_group_rows: usize) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    wrk_cli::taxi::generate(
+        dir.path(),
+        &wrk_cli::taxi::TaxiConfig {
+            rows,
+            files,
+            row_group_rows,
+            seed: 11,
+        },
+    )
+    .expect("generate taxi data");
+    dir
+}
+
+/// Per passenger count: trips, total km, mean km.
+pub type Summary = BTreeMap<i32, (i64, f64, f64)>;
+
+fn haversine_km(lon1: f64, lat1: f64, lon2: f64, lat2: f64) -> f64 {
+    let rad = std::f64::consts::PI / 180.0;
+    let (lat1, lat2) = (lat1 * rad, lat2 * rad);
+    let dlat = (lat2 - lat1) / 2.0;
+    let dlon = (lon2 * rad - lon1 * rad) / 2.0;
+    let a = dlat.sin().powi(2) + lat1.cos() * lat2.cos() * dlon.sin().powi(2);
+    2.0 * 6371.0 * a.sqrt().asin()
+}
+
+/// The taxi job's answer, computed directly from the Parquet files.
+pub fn taxi_reference(dir: &Path) -> Summary {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("read data dir")
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .collect();
+    files.sort();
+    let mut sums: BTreeMap<i32, (i64, f64)> = BTreeMap::new();
+    for file in files {
+        let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&file).expect("open"))
+            .expect("parquet")
+            .build()
+            .expect("reader");
+        for batch in reader {
+            let batch = batch.expect("batch");
+            let f = |name: &str| batch.column_by_name(name).expect(name).as_primitive::<Float64Type>().clone();
+            let (lon1, lat1, lon2, lat2) = (
+                f("pickup_longitude"),
+                f("pickup_latitude"),
+                f("dropoff_longitude"),
+                f("dropoff_latitude"),
+            );
+            let passengers = batch
+                .column_by_name("passenger_count")
+                .expect("passenger_count")
+                .as_primitive::<Int32Type>()
+                .clone();
+            for row in 0..batch.num_rows() {
+                let d = haversine_km(lon1.value(row), lat1.value(row), lon2.value(row), lat2.value(row));
+                let entry = sums.entry(passengers.value(row)).or_default();
+                entry.0 += 1;
+                entry.1 += d;
+            }
+        }
+    }
+    sums.into_iter()
+        .map(|(k, (n, total))| (k, (n, total, total / n as f64)))
+        .collect()
+}
+
+/// Reads the taxi job's result file.
+pub fn read_summary(path: &Path) -> Summary {
+    let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(path).expect("open result"))
+        .expect("result is Parquet")
+        .build()
+        .expect("reader");
+    let mut out = Summary::new();
+    for batch in reader {
+        let batch = batch.expect("batch");
+        let names: Vec<&str> = batch.schema_ref().fields().iter().map(|f| f.name().as_str()).collect();
+        assert_eq!(names, ["passenger_count", "trips", "total_km", "mean_km"]);
+        let keys = batch.column(0).as_primitive::<Int32Type>();
+        let trips = batch.column(1).as_primitive::<Int64Type>();
+        let total = batch.column(2).as_primitive::<Float64Type>();
+        let mean = batch.column(3).as_primitive::<Float64Type>();
+        assert_eq!(keys.null_count(), 0);
+        for row in 0..batch.num_rows() {
+            let previous = out.insert(keys.value(row), (trips.value(row), total.value(row), mean.value(row)));
+            assert!(previous.is_none(), "passenger_count {} appears twice", keys.value(row));
+        }
+    }
+    out
+}
+
+pub fn assert_close(what: &str, actual: f64, expected: f64) {
+    let relative = (actual - expected).abs() / expected.abs().max(f64::MIN_POSITIVE);
+    assert!(relative <= 1e-9, "{what}: {actual} vs reference {expected} (relative error {relative:e})");
+}
+
+pub fn assert_summaries_match(actual: &Summary, expected: &Summary) {
+    assert_eq!(
+        actual.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>(),
+        "the same passenger counts"
+    );
+    for (key, (trips, total, mean)) in expected {
+        let (a_trips, a_total, a_mean) = actual[key];
+        assert_eq!(a_trips, *trips, "trips for passenger_count {key}");
+        assert_close(&format!("total_km for passenger_count {key}"), a_total, *total);
+        assert_close(&format!("mean_km for passenger_count {key}"), a_mean, *mean);
+    }
+}
