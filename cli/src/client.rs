@@ -9,7 +9,10 @@ use tonic::transport::Channel;
 use wrk_host::table::Table;
 use wrk_host::transfer::PeerClient;
 use wrk_proto::scheduler_client::SchedulerClient;
-use wrk_proto::{ClusterStatus, Empty, JobProgress, JobRef, JobSpec, JobState, MAX_MESSAGE_BYTES, SubmitJobRequest};
+use wrk_proto::{
+    ClusterStatus, Empty, JobProgress, JobRef, JobSpec, JobState, MAX_MESSAGE_BYTES,
+    SubmitJobRequest,
+};
 
 pub async fn connect(url: &str) -> Result<SchedulerClient<Channel>> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())
@@ -24,7 +27,11 @@ pub async fn connect(url: &str) -> Result<SchedulerClient<Channel>> {
 }
 
 pub async fn cluster_status(url: &str) -> Result<ClusterStatus> {
-    Ok(connect(url).await?.get_cluster_status(Empty {}).await?.into_inner())
+    Ok(connect(url)
+        .await?
+        .get_cluster_status(Empty {})
+        .await?
+        .into_inner())
 }
 
 /// A finished job: its id, its result tables, and what it cost.
@@ -97,7 +104,9 @@ pub async fn run_job(url: &str, spec: JobSpec, show_progress: bool) -> Result<Jo
         .map_err(|s| anyhow::anyhow!("the scheduler refused job `{name}`: {}", s.message()))?
         .into_inner()
         .job_id;
-    let job = JobRef { job_id: job_id.clone() };
+    let job = JobRef {
+        job_id: job_id.clone(),
+    };
     let mut progress = client.watch_job(job.clone()).await?.into_inner();
     let last = loop {
         tokio::select! {

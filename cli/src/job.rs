@@ -86,7 +86,10 @@ pub enum InputEntry {
     /// `"stage"`: every output of that stage.
     All(String),
     /// `{ stage = "x", pattern = "one-to-one" | "all" }`.
-    Detailed { stage: String, pattern: PatternEntry },
+    Detailed {
+        stage: String,
+        pattern: PatternEntry,
+    },
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -121,7 +124,8 @@ fn resolve(base: &Path, path: &str) -> String {
 
 /// Reads a job file.
 pub fn load(path: &Path) -> Result<JobFile> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read job file `{}`", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read job file `{}`", path.display()))?;
     toml::from_str(&text).with_context(|| format!("job file `{}` is not valid", path.display()))
 }
 
@@ -136,12 +140,23 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
     if file.stages.is_empty() {
         bail!("the job has no [[stage]]");
     }
-    let mut params: HashMap<String, String> = file.params.iter().map(|(k, v)| (k.clone(), param_text(v))).collect();
+    let mut params: HashMap<String, String> = file
+        .params
+        .iter()
+        .map(|(k, v)| (k.clone(), param_text(v)))
+        .collect();
     params.extend(overrides.params.iter().cloned());
     let mut sources: HashMap<String, Grant> = file
         .sources
         .iter()
-        .map(|(k, v)| (k.clone(), Grant { uri: resolve(base, &v.path) }))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                Grant {
+                    uri: resolve(base, &v.path),
+                },
+            )
+        })
         .collect();
     for (name, uri) in &overrides.sources {
         sources.insert(name.clone(), Grant { uri: uri.clone() });
@@ -149,7 +164,14 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
     let mut sinks: HashMap<String, Grant> = file
         .sinks
         .iter()
-        .map(|(k, v)| (k.clone(), Grant { uri: resolve(base, &v.path) }))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                Grant {
+                    uri: resolve(base, &v.path),
+                },
+            )
+        })
         .collect();
     for (name, uri) in &overrides.sinks {
         sinks.insert(name.clone(), Grant { uri: uri.clone() });
@@ -164,13 +186,22 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             .module
             .as_ref()
             .or(file.module.as_ref())
-            .with_context(|| format!("stage `{}` names no module and the job has no default `module`", entry.name))?;
+            .with_context(|| {
+                format!(
+                    "stage `{}` names no module and the job has no default `module`",
+                    entry.name
+                )
+            })?;
         let module_path = PathBuf::from(resolve(base, &module_path.to_string_lossy()));
         let hash = match module_hashes.get(&module_path) {
             Some(hash) => hash.clone(),
             None => {
                 let wasm = std::fs::read(&module_path).with_context(|| {
-                    format!("stage `{}`: cannot read module `{}`", entry.name, module_path.display())
+                    format!(
+                        "stage `{}`: cannot read module `{}`",
+                        entry.name,
+                        module_path.display()
+                    )
                 })?;
                 let hash = wrk_host::engine::module_hash(&wasm);
                 let name = module_path
@@ -201,7 +232,10 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
                 ),
             };
             let Some(&index) = stage_index.get(name) else {
-                bail!("stage `{}` takes input from `{name}`, which is not an earlier stage", entry.name);
+                bail!(
+                    "stage `{}` takes input from `{name}`, which is not an earlier stage",
+                    entry.name
+                );
             };
             if pattern == Pattern::OneToOne {
                 one_to_one_tasks = Some(stages[index as usize].num_tasks);
@@ -216,14 +250,18 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             Some(source) => {
                 let Some(grant) = sources.get(source) else {
                     let known: Vec<&String> = sources.keys().collect();
-                    bail!("stage `{}` reads source `{source}`, which the job does not declare (sources: {known:?})", entry.name);
+                    bail!(
+                        "stage `{}` reads source `{source}`, which the job does not declare (sources: {known:?})",
+                        entry.name
+                    );
                 };
                 let target = entry
                     .partition_mib
                     .map(|m| m.max(1) << 20)
                     .unwrap_or(wrk_host::io::DEFAULT_PARTITION_BYTES);
-                wrk_host::io::plan_partitions(&grant.uri, &entry.columns, target)
-                    .with_context(|| format!("stage `{}`: planning source `{source}`", entry.name))?
+                wrk_host::io::plan_partitions(&grant.uri, &entry.columns, target).with_context(
+                    || format!("stage `{}`: planning source `{source}`", entry.name),
+                )?
             }
             None => Vec::new(),
         };
@@ -238,7 +276,11 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
         stages.push(Stage {
             name: entry.name.clone(),
             module_hash: hash,
-            params: entry.params.iter().map(|(k, v)| (k.clone(), param_text(v))).collect(),
+            params: entry
+                .params
+                .iter()
+                .map(|(k, v)| (k.clone(), param_text(v)))
+                .collect(),
             num_tasks,
             partitions,
             inputs,
@@ -252,7 +294,11 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
         sources,
         sinks,
         limits: Some(Limits {
-            task_timeout_ms: file.limits.task_timeout_secs.map(|s| (s * 1000.0) as u64).unwrap_or(0),
+            task_timeout_ms: file
+                .limits
+                .task_timeout_secs
+                .map(|s| (s * 1000.0) as u64)
+                .unwrap_or(0),
             task_memory_bytes: file.limits.task_memory_mib.map(|m| m << 20).unwrap_or(0),
         }),
     })
@@ -299,7 +345,11 @@ mod tests {
         let spec = build_spec(file, dir.path(), &Overrides::default()).unwrap();
         let counts: Vec<u32> = spec.stages.iter().map(|s| s.num_tasks).collect();
         assert_eq!(counts, vec![4, 4, 1]);
-        assert_eq!(spec.modules.len(), 1, "one module shared by every stage is sent once");
+        assert_eq!(
+            spec.modules.len(),
+            1,
+            "one module shared by every stage is sent once"
+        );
         assert_eq!(spec.params["k"], "3");
         assert_eq!(spec.stages[2].params["phase"], "final");
         assert_eq!(spec.stages[1].inputs[0].pattern(), Pattern::OneToOne);
@@ -312,19 +362,29 @@ mod tests {
         write_module(dir.path());
         let bad = |text: &str| {
             let file: JobFile = toml::from_str(text).unwrap();
-            format!("{:#}", build_spec(file, dir.path(), &Overrides::default()).unwrap_err())
+            format!(
+                "{:#}",
+                build_spec(file, dir.path(), &Overrides::default()).unwrap_err()
+            )
         };
         let err = bad("name='j'\nmodule='m.wasm'\n[[stage]]\nname='a'\ninputs=['b']");
         assert!(err.contains("stage `a` takes input from `b`"), "{err}");
         let err = bad("name='j'\nmodule='m.wasm'\n[[stage]]\nname='a'\nsource='trips'");
-        assert!(err.contains("reads source `trips`, which the job does not declare"), "{err}");
+        assert!(
+            err.contains("reads source `trips`, which the job does not declare"),
+            "{err}"
+        );
         let err = bad("name='j'\n[[stage]]\nname='a'\nmodule='missing.wasm'");
-        assert!(err.contains("stage `a`: cannot read module") && err.contains("missing.wasm"), "{err}");
+        assert!(
+            err.contains("stage `a`: cannot read module") && err.contains("missing.wasm"),
+            "{err}"
+        );
     }
 
     #[test]
     fn unknown_keys_are_rejected() {
-        let err = toml::from_str::<JobFile>("name='j'\n[[stage]]\nname='a'\nmodlue='x'").unwrap_err();
+        let err =
+            toml::from_str::<JobFile>("name='j'\n[[stage]]\nname='a'\nmodlue='x'").unwrap_err();
         assert!(err.to_string().contains("modlue"), "{err}");
     }
 }

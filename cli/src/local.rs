@@ -44,7 +44,13 @@ impl LocalCluster {
         let mut tasks = Vec::new();
         let scheduler_stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
-            if let Err(e) = wrk_scheduler::serve(listener, SchedulerConfig::default(), stopped(scheduler_stop)).await {
+            if let Err(e) = wrk_scheduler::serve(
+                listener,
+                SchedulerConfig::default(),
+                stopped(scheduler_stop),
+            )
+            .await
+            {
                 tracing::error!("scheduler stopped: {e}");
             }
         }));
@@ -87,7 +93,10 @@ impl LocalCluster {
                 return Ok(());
             }
             if started.elapsed() > timeout {
-                anyhow::bail!("local cluster: only {:?} of {workers} workers registered after {timeout:?}", status.map(|s| s.workers.len()));
+                anyhow::bail!(
+                    "local cluster: only {:?} of {workers} workers registered after {timeout:?}",
+                    status.map(|s| s.workers.len())
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -18,7 +18,11 @@ use wrk_proto::{JobRef, JobState};
 use wrk_scheduler::SchedulerConfig;
 
 #[derive(Parser)]
-#[command(name = "wrk", version, about = "Sandboxed WebAssembly dataframe tasks on a pool of GPU (or CPU) workers")]
+#[command(
+    name = "wrk",
+    version,
+    about = "Sandboxed WebAssembly dataframe tasks on a pool of GPU (or CPU) workers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -173,7 +177,9 @@ struct RunArgs {
 }
 
 fn default_workers() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
 }
 
 /// Logs go to stderr; `WRK_LOG` overrides the default filter (`info` for long-running services,
@@ -192,8 +198,16 @@ fn init_tracing(default: &str) {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    let service = matches!(cli.command, Command::Up { .. } | Command::Scheduler { .. } | Command::Worker(_));
-    init_tracing(if service { "info" } else { "warn" });
+    let service = matches!(
+        cli.command,
+        Command::Up { .. } | Command::Scheduler { .. } | Command::Worker(_)
+    );
+    // One-shot commands report failures themselves; their embedded cluster only logs errors.
+    init_tracing(if service {
+        "info"
+    } else {
+        "error,wrk_cli=warn"
+    });
     match cli.command {
         Command::Submit(args) => submit(args).await,
         Command::Up { cluster, listen } => up(cluster, listen).await,
@@ -235,7 +249,9 @@ async fn main() -> Result<()> {
         Command::Cancel { job_id, scheduler } => {
             client::connect(&scheduler)
                 .await?
-                .cancel_job(JobRef { job_id: job_id.clone() })
+                .cancel_job(JobRef {
+                    job_id: job_id.clone(),
+                })
                 .await
                 .with_context(|| format!("cannot cancel job `{job_id}`"))?;
             println!("cancelled {job_id}");
@@ -256,7 +272,8 @@ async fn main() -> Result<()> {
                 seed,
             };
             let started = std::time::Instant::now();
-            tokio::task::spawn_blocking(move || taxi::generate(&out, &config).map(|()| out)).await??;
+            tokio::task::spawn_blocking(move || taxi::generate(&out, &config).map(|()| out))
+                .await??;
             eprintln!("wrote {rows} trips in {:.1?}", started.elapsed());
             Ok(())
         }
@@ -287,7 +304,9 @@ async fn submit(args: SubmitArgs) -> Result<()> {
                 cache_dir: args.cluster.cache_dir,
             })
             .await?;
-            cluster.wait_for_workers(workers, Duration::from_secs(30)).await?;
+            cluster
+                .wait_for_workers(workers, Duration::from_secs(30))
+                .await?;
             (cluster.scheduler_url.clone(), Some(cluster))
         }
     };
@@ -326,7 +345,9 @@ async fn up(cluster: ClusterArgs, listen: SocketAddr) -> Result<()> {
         cache_dir: cluster.cache_dir,
     })
     .await?;
-    local.wait_for_workers(workers, Duration::from_secs(30)).await?;
+    local
+        .wait_for_workers(workers, Duration::from_secs(30))
+        .await?;
     eprintln!(
         "wrk local cluster up: scheduler {} with {workers} workers; Ctrl-C stops it",
         local.scheduler_url
@@ -360,7 +381,8 @@ async fn status(url: &str) -> Result<()> {
 }
 
 async fn run_one(args: RunArgs) -> Result<()> {
-    let wasm = std::fs::read(&args.module).with_context(|| format!("cannot read module `{}`", args.module.display()))?;
+    let wasm = std::fs::read(&args.module)
+        .with_context(|| format!("cannot read module `{}`", args.module.display()))?;
     let name = args
         .module
         .file_name()
@@ -386,7 +408,9 @@ async fn run_one(args: RunArgs) -> Result<()> {
     let run = tokio::task::spawn_blocking(move || -> Result<_> {
         let tables = inputs
             .iter()
-            .map(|path| wrk_host::io::read_source(&path.to_string_lossy(), &[], None).map(Table::new))
+            .map(|path| {
+                wrk_host::io::read_source(&path.to_string_lossy(), &[], None).map(Table::new)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let compiled = engine.prepare(&name, &module_hash(&wasm), &wasm)?;
         Ok(engine.run(&compiled, info, tables, limits)?)

@@ -12,7 +12,9 @@ pub fn combine(tables: &[Table]) -> Result<Option<RecordBatch>> {
         return Ok(None);
     }
     let batches: Vec<&RecordBatch> = tables.iter().map(Table::batch).collect();
-    Ok(Some(wrk_host::cpu::ops::concat(&batches).context("the job's result tables do not share a schema")?))
+    Ok(Some(wrk_host::cpu::ops::concat(&batches).context(
+        "the job's result tables do not share a schema",
+    )?))
 }
 
 /// Prints up to `max_rows` rows as a table.
@@ -27,7 +29,8 @@ pub fn print(batch: &RecordBatch, max_rows: usize) -> Result<()> {
 
 pub fn write_parquet(path: &Path, batch: &RecordBatch) -> Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create `{}`", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create `{}`", dir.display()))?;
     }
     wrk_host::io::write_file(path, std::slice::from_ref(batch), 1 << 20)?;
     Ok(())

@@ -95,7 +95,8 @@ pub fn generate(dir: &Path, config: &TaxiConfig) -> Result<()> {
         let mut rng = ChaCha8Rng::seed_from_u64(config.seed ^ (u64::from(file_index) << 32));
         let path = dir.join(format!("part-{file_index:05}.parquet"));
         let partial = path.with_extension("parquet.partial");
-        let file = File::create(&partial).with_context(|| format!("cannot create `{}`", partial.display()))?;
+        let file = File::create(&partial)
+            .with_context(|| format!("cannot create `{}`", partial.display()))?;
         let props = WriterProperties::builder()
             .set_compression(Compression::SNAPPY)
             .set_max_row_group_row_count(Some(config.row_group_rows))
@@ -133,8 +134,13 @@ mod tests {
             let b = std::fs::read(dir.path().join("b").join(name)).unwrap();
             assert_eq!(a, b, "{name} differs between runs");
         }
-        let partitions = wrk_host::io::plan_partitions(&dir.path().join("a").to_string_lossy(), &[], 1).unwrap();
-        assert_eq!(partitions.len(), 6, "3 row groups of 500 and 3 of <=500 rows");
+        let partitions =
+            wrk_host::io::plan_partitions(&dir.path().join("a").to_string_lossy(), &[], 1).unwrap();
+        assert_eq!(
+            partitions.len(),
+            6,
+            "3 row groups of 500 and 3 of <=500 rows"
+        );
         let rows: u64 = partitions.iter().map(|p| p.rows).sum();
         assert_eq!(rows, 2500);
     }

@@ -59,7 +59,9 @@ pub struct TaskLimits {
 pub enum TaskError {
     #[error("module `{module}` is not a valid wrk:task component: {detail}")]
     InvalidModule { module: String, detail: String },
-    #[error("module `{module}` was built against {found}, but this worker implements {WIT_PACKAGE}@{WIT_VERSION}: rebuild it with a compatible wrk-sdk")]
+    #[error(
+        "module `{module}` was built against {found}, but this worker implements {WIT_PACKAGE}@{WIT_VERSION}: rebuild it with a compatible wrk-sdk"
+    )]
     IncompatibleWit { module: String, found: String },
     #[error("module `{module}` does not match its hash: expected {expected}, got {actual}")]
     HashMismatch {
@@ -189,7 +191,10 @@ impl TaskEngine {
         let engine = Engine::new(&wasm_config)?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
-        Task::add_to_linker::<TaskState, wasmtime::component::HasSelf<TaskState>>(&mut linker, |s| s)?;
+        Task::add_to_linker::<TaskState, wasmtime::component::HasSelf<TaskState>>(
+            &mut linker,
+            |s| s,
+        )?;
         let cache_dir = match &config.cache_dir {
             Some(dir) => {
                 let mut hasher = DefaultHasher::new();
@@ -220,7 +225,12 @@ impl TaskEngine {
     }
 
     /// Compiles `wasm` (or loads it from the disk cache) and links it; once per content hash.
-    pub fn prepare(&self, name: &str, hash: &str, wasm: &[u8]) -> Result<Arc<CompiledTask>, TaskError> {
+    pub fn prepare(
+        &self,
+        name: &str,
+        hash: &str,
+        wasm: &[u8],
+    ) -> Result<Arc<CompiledTask>, TaskError> {
         if let Some(done) = self.cached(hash) {
             return Ok(done);
         }
@@ -236,7 +246,9 @@ impl TaskEngine {
             module: name.to_string(),
             detail,
         };
-        let component = self.load_component(hash, wasm).map_err(|e| invalid(format!("{e:#}")))?;
+        let component = self
+            .load_component(hash, wasm)
+            .map_err(|e| invalid(format!("{e:#}")))?;
         self.check_wit_version(name, &component)?;
         let pre = self
             .linker
@@ -265,7 +277,9 @@ impl TaskEngine {
             // owned by this worker; a damaged file fails deserialization and is rebuilt below.
             match unsafe { Component::deserialize_file(&self.engine, &path) } {
                 Ok(component) => return Ok(component),
-                Err(e) => tracing::warn!(path = %path.display(), "discarding unreadable compiled component: {e:#}"),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), "discarding unreadable compiled component: {e:#}")
+                }
             }
         }
         let component = Component::new(&self.engine, wasm)?;
@@ -298,7 +312,14 @@ impl TaskEngine {
             if !compatible_version(version, WIT_VERSION) {
                 return Err(TaskError::IncompatibleWit {
                     module: name.to_string(),
-                    found: format!("{WIT_PACKAGE}@{}", if version.is_empty() { "(unversioned)" } else { version }),
+                    found: format!(
+                        "{WIT_PACKAGE}@{}",
+                        if version.is_empty() {
+                            "(unversioned)"
+                        } else {
+                            version
+                        }
+                    ),
                 });
             }
         }
@@ -325,7 +346,10 @@ impl TaskEngine {
             .stderr(output.clone())
             .build();
         let memory_limit = usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX);
-        let mut store = Store::new(&self.engine, TaskState::new(info, wasi, MemoryLimiter::new(memory_limit)));
+        let mut store = Store::new(
+            &self.engine,
+            TaskState::new(info, wasi, MemoryLimiter::new(memory_limit)),
+        );
         store.limiter(|state| &mut state.limiter);
         let ticks = (limits.timeout.as_millis() / EPOCH_TICK.as_millis()).max(1);
         store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
@@ -377,9 +401,11 @@ fn classify_failure(
     output: &MemoryOutputPipe,
 ) -> TaskError {
     let module = module.to_string();
-    let exceeded = error
-        .downcast_ref::<MemoryLimitExceeded>()
-        .or_else(|| error.chain().find_map(|e| e.downcast_ref::<MemoryLimitExceeded>()));
+    let exceeded = error.downcast_ref::<MemoryLimitExceeded>().or_else(|| {
+        error
+            .chain()
+            .find_map(|e| e.downcast_ref::<MemoryLimitExceeded>())
+    });
     if let Some(exceeded) = exceeded {
         return TaskError::MemoryLimit {
             module,
@@ -391,7 +417,10 @@ fn classify_failure(
         .downcast_ref::<Trap>()
         .or_else(|| error.chain().find_map(|e| e.downcast_ref::<Trap>()));
     match trap {
-        Some(Trap::Interrupt) => TaskError::Timeout { module, limit: timeout },
+        Some(Trap::Interrupt) => TaskError::Timeout {
+            module,
+            limit: timeout,
+        },
         Some(trap) => {
             // The guest's allocator aborts when memory.grow fails at the pool's hard cap.
             let near_cap = limiter.peak + (64 << 20) >= limiter.memory_limit;
@@ -418,11 +447,18 @@ fn classify_failure(
     }
 }
 
-/// The last few lines a guest printed.
+/// The last few lines a guest printed, without Rust's hint about backtraces (a guest has none).
 fn tail(bytes: &[u8]) -> String {
     let text = String::from_utf8_lossy(bytes);
+    let text: Vec<&str> = text
+        .lines()
+        .filter(|line| !line.starts_with("note: run with `RUST_BACKTRACE=1`"))
+        .collect();
+    let text = text.join("\n");
     let start = text.len().saturating_sub(2000);
-    let start = (start..text.len()).find(|&i| text.is_char_boundary(i)).unwrap_or(text.len());
+    let start = (start..text.len())
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(text.len());
     text[start..].trim().to_string()
 }
 
@@ -461,7 +497,10 @@ mod tests {
             Err(e) => e.to_string(),
             Ok(_) => panic!("garbage compiled"),
         };
-        assert!(err.contains("module `broken.wasm` is not a valid wrk:task component"), "{err}");
+        assert!(
+            err.contains("module `broken.wasm` is not a valid wrk:task component"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -86,8 +86,31 @@ impl Expr {
         Expr::Column(name.into())
     }
 
-    /// The type of the values this expression yields on a table of `schema`.
+    /// The type of the values this expression yields on a table of `schema`. Errors name this
+    /// whole expression (and, for type errors, the part at fault).
     pub fn data_type(&self, schema: &Schema) -> Result<DataType, ExprError> {
+        self.infer(schema).map_err(|e| {
+            let whole = self.to_string();
+            match e {
+                ExprError::UnknownColumn {
+                    column, available, ..
+                } => ExprError::UnknownColumn {
+                    column,
+                    expr: whole,
+                    available,
+                },
+                ExprError::TypeMismatch { expr, detail } if expr != whole => {
+                    ExprError::TypeMismatch {
+                        expr: whole,
+                        detail: format!("in `{expr}`: {detail}"),
+                    }
+                }
+                other => other,
+            }
+        })
+    }
+
+    fn infer(&self, schema: &Schema) -> Result<DataType, ExprError> {
         match self {
             Expr::Column(name) => schema
                 .field_with_name(name)
@@ -99,16 +122,16 @@ impl Expr {
                 }),
             Expr::Literal(literal) => Ok(literal.data_type()),
             Expr::Binary { op, lhs, rhs } => {
-                let left = lhs.data_type(schema)?;
-                let right = rhs.data_type(schema)?;
+                let left = lhs.infer(schema)?;
+                let right = rhs.infer(schema)?;
                 self.binary_type(*op, &left, &right)
             }
             Expr::Unary { op, arg } => {
-                let input = arg.data_type(schema)?;
+                let input = arg.infer(schema)?;
                 self.unary_type(*op, &input)
             }
             Expr::Cast { arg, to } => {
-                let from = arg.data_type(schema)?;
+                let from = arg.infer(schema)?;
                 if arrow::compute::can_cast_types(&from, to) {
                     Ok(to.clone())
                 } else {
@@ -116,8 +139,8 @@ impl Expr {
                 }
             }
             Expr::FillNull { arg, fill } => {
-                let value = arg.data_type(schema)?;
-                let fill = fill.data_type(schema)?;
+                let value = arg.infer(schema)?;
+                let fill = fill.infer(schema)?;
                 common_type(&value, &fill).ok_or_else(|| {
                     self.mismatch(format!("cannot fill nulls of {value} with {fill}"))
                 })
@@ -127,16 +150,18 @@ impl Expr {
                 then,
                 otherwise,
             } => {
-                let condition_type = condition.data_type(schema)?;
+                let condition_type = condition.infer(schema)?;
                 if !matches!(condition_type, DataType::Boolean | DataType::Null) {
                     return Err(self.mismatch(format!(
                         "the condition must be boolean, found {condition_type}"
                     )));
                 }
-                let then = then.data_type(schema)?;
-                let otherwise = otherwise.data_type(schema)?;
+                let then = then.infer(schema)?;
+                let otherwise = otherwise.infer(schema)?;
                 common_type(&then, &otherwise).ok_or_else(|| {
-                    self.mismatch(format!("branches have incompatible types {then} and {otherwise}"))
+                    self.mismatch(format!(
+                        "branches have incompatible types {then} and {otherwise}"
+                    ))
                 })
             }
         }
@@ -330,13 +355,21 @@ mod tests {
     fn arithmetic_promotes_to_float_when_any_side_is_float() {
         let e = bin(BinaryOp::Mul, Expr::col("fare"), Expr::col("passengers"));
         assert_eq!(e.data_type(&schema()), Ok(DataType::Float64));
-        let e = bin(BinaryOp::Add, Expr::col("passengers"), Expr::Literal(Literal::Int64(1)));
+        let e = bin(
+            BinaryOp::Add,
+            Expr::col("passengers"),
+            Expr::Literal(Literal::Int64(1)),
+        );
         assert_eq!(e.data_type(&schema()), Ok(DataType::Int64));
     }
 
     #[test]
     fn unknown_column_names_the_column_the_expression_and_the_schema() {
-        let e = bin(BinaryOp::Gt, Expr::col("fair"), Expr::Literal(Literal::Float64(0.0)));
+        let e = bin(
+            BinaryOp::Gt,
+            Expr::col("fair"),
+            Expr::Literal(Literal::Float64(0.0)),
+        );
         let err = e.data_type(&schema()).unwrap_err().to_string();
         assert!(err.contains("`fair`"), "{err}");
         assert!(err.contains("(col(\"fair\") > 0.0)"), "{err}");

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
-use arrow::record_batch::RecordBatchReader;
 use arrow::record_batch::RecordBatch;
+use arrow::record_batch::RecordBatchReader;
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
@@ -49,7 +49,9 @@ pub enum IoError {
     },
     #[error("source `{source_uri}` has no Parquet files")]
     EmptySource { source_uri: String },
-    #[error("`{path}` has columns ({found}) but `{first}` has ({expected}): a dataset's files must share one schema")]
+    #[error(
+        "`{path}` has columns ({found}) but `{first}` has ({expected}): a dataset's files must share one schema"
+    )]
     SchemaMismatch {
         path: PathBuf,
         first: PathBuf,
@@ -69,7 +71,9 @@ fn local_path(uri: &str) -> Result<PathBuf, IoError> {
         return Ok(PathBuf::from(path));
     }
     if uri.contains("://") {
-        return Err(IoError::UnsupportedUri { uri: uri.to_string() });
+        return Err(IoError::UnsupportedUri {
+            uri: uri.to_string(),
+        });
     }
     Ok(PathBuf::from(uri))
 }
@@ -143,7 +147,11 @@ pub fn plan_partitions(
     for path in files {
         let meta = metadata(&path)?;
         let schema = meta.file_metadata().schema_descr();
-        let names: Vec<String> = schema.columns().iter().map(|c| c.name().to_string()).collect();
+        let names: Vec<String> = schema
+            .columns()
+            .iter()
+            .map(|c| c.name().to_string())
+            .collect();
         match &first_schema {
             None => first_schema = Some((path.clone(), names.clone())),
             Some((first, expected)) if *expected != names => {
@@ -162,11 +170,14 @@ pub fn plan_partitions(
             columns
                 .iter()
                 .map(|c| {
-                    names.iter().position(|n| n == c).ok_or_else(|| IoError::UnknownColumn {
-                        path: path.clone(),
-                        column: c.clone(),
-                        available: names.join(", "),
-                    })
+                    names
+                        .iter()
+                        .position(|n| n == c)
+                        .ok_or_else(|| IoError::UnknownColumn {
+                            path: path.clone(),
+                            column: c.clone(),
+                            available: names.join(", "),
+                        })
                 })
                 .collect::<Result<_, _>>()?
         };
@@ -213,7 +224,11 @@ pub fn read_partition(partition: &ParquetPartition) -> Result<RecordBatch, IoErr
     let mut batches = Vec::with_capacity(partition.files.len());
     for slice in &partition.files {
         let path = local_path(&slice.uri)?;
-        batches.push(read_file(&path, &partition.columns, Some(&slice.row_groups))?);
+        batches.push(read_file(
+            &path,
+            &partition.columns,
+            Some(&slice.row_groups),
+        )?);
     }
     concat_file_batches(batches)
 }
@@ -277,7 +292,11 @@ fn concat_file_batches(batches: Vec<RecordBatch>) -> Result<RecordBatch, IoError
     })
 }
 
-fn read_file(path: &Path, columns: &[String], row_groups: Option<&[u32]>) -> Result<RecordBatch, IoError> {
+fn read_file(
+    path: &Path,
+    columns: &[String],
+    row_groups: Option<&[u32]>,
+) -> Result<RecordBatch, IoError> {
     let parquet_err = |source| IoError::Parquet {
         path: path.to_path_buf(),
         source,
@@ -359,13 +378,18 @@ pub fn write_table(sink_uri: &str, name: &str, batch: &RecordBatch) -> Result<Pa
         detail,
     };
     std::fs::create_dir_all(&dir).map_err(|e| write_err(e.to_string()))?;
-    write_file(&path, std::slice::from_ref(batch), 1 << 20).map_err(|e| write_err(e.to_string()))?;
+    write_file(&path, std::slice::from_ref(batch), 1 << 20)
+        .map_err(|e| write_err(e.to_string()))?;
     Ok(path)
 }
 
 /// Writes batches to one Parquet file with row groups of at most `row_group_rows` rows, through a
 /// temporary file renamed into place so readers never see a partial file.
-pub fn write_file(path: &Path, batches: &[RecordBatch], row_group_rows: usize) -> Result<(), IoError> {
+pub fn write_file(
+    path: &Path,
+    batches: &[RecordBatch],
+    row_group_rows: usize,
+) -> Result<(), IoError> {
     let write_err = |detail: String| IoError::Write {
         path: path.to_path_buf(),
         detail,
@@ -379,7 +403,8 @@ pub fn write_file(path: &Path, batches: &[RecordBatch], row_group_rows: usize) -
         .build();
     let partial = path.with_extension("parquet.partial");
     let file = File::create(&partial).map_err(|e| write_err(e.to_string()))?;
-    let mut writer = ArrowWriter::try_new(file, first.schema(), Some(props)).map_err(|e| write_err(e.to_string()))?;
+    let mut writer = ArrowWriter::try_new(file, first.schema(), Some(props))
+        .map_err(|e| write_err(e.to_string()))?;
     for batch in batches {
         writer.write(batch).map_err(|e| write_err(e.to_string()))?;
     }
@@ -403,7 +428,9 @@ mod tests {
             Arc::new(schema),
             vec![
                 Arc::new(Int64Array::from_iter_values(start..start + rows)),
-                Arc::new(Float64Array::from_iter_values((start..start + rows).map(|v| v as f64 * 0.5))),
+                Arc::new(Float64Array::from_iter_values(
+                    (start..start + rows).map(|v| v as f64 * 0.5),
+                )),
             ],
         )
         .unwrap()
@@ -416,7 +443,11 @@ mod tests {
         write_file(&dir.path().join("b.parquet"), &[batch(1000, 500)], 100).unwrap();
         let uri = dir.path().to_string_lossy();
         let all = plan_partitions(&uri, &[], 1).unwrap();
-        assert_eq!(all.len(), 15, "one partition per row group when the target is tiny");
+        assert_eq!(
+            all.len(),
+            15,
+            "one partition per row group when the target is tiny"
+        );
         let big = plan_partitions(&uri, &[], u64::MAX).unwrap();
         assert_eq!(big.len(), 2, "a partition never spans files");
         let total: usize = big
@@ -444,7 +475,10 @@ mod tests {
         let uri = dir.path().to_string_lossy();
         let b = read_source(&uri, &["id".into()], Some(&[1, 2])).unwrap();
         let ids = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
-        assert_eq!((ids.value(0), ids.value(199), b.num_rows()), (100, 299, 200));
+        assert_eq!(
+            (ids.value(0), ids.value(199), b.num_rows()),
+            (100, 299, 200)
+        );
         let err = read_source(&uri, &[], Some(&[9])).unwrap_err().to_string();
         assert!(err.contains("row group 9 does not exist"), "{err}");
     }
@@ -454,12 +488,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let bad = dir.path().join("bad.parquet");
         std::fs::write(&bad, b"PAR1 this is not parquet").unwrap();
-        let err = read_source(&bad.to_string_lossy(), &[], None).unwrap_err().to_string();
-        assert!(err.contains("bad.parquet") && err.contains("not a readable Parquet file"), "{err}");
+        let err = read_source(&bad.to_string_lossy(), &[], None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("bad.parquet") && err.contains("not a readable Parquet file"),
+            "{err}"
+        );
 
         let good = dir.path().join("good.parquet");
         write_file(&good, &[batch(0, 10)], 100).unwrap();
-        let err = plan_partitions(&good.to_string_lossy(), &["nope".into()], 1).unwrap_err().to_string();
-        assert!(err.contains("good.parquet") && err.contains("`nope`") && err.contains("id, x"), "{err}");
+        let err = plan_partitions(&good.to_string_lossy(), &["nope".into()], 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("good.parquet") && err.contains("`nope`") && err.contains("id, x"),
+            "{err}"
+        );
     }
 }

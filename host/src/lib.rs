@@ -18,7 +18,7 @@ pub mod expr;
 pub mod guest_api;
 pub mod io;
 pub mod limits;
-pub mod table;
 pub mod store;
+pub mod table;
 pub mod transfer;
 pub mod worker;

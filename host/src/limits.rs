@@ -5,7 +5,9 @@ use wasmtime::ResourceLimiter;
 
 /// The error a guest's memory growth traps with when it would pass its cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("guest memory limit exceeded: growing linear memory to {requested} bytes, the limit is {limit} bytes")]
+#[error(
+    "guest memory limit exceeded: growing linear memory to {requested} bytes, the limit is {limit} bytes"
+)]
 pub struct MemoryLimitExceeded {
     pub requested: usize,
     pub limit: usize,

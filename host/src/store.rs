@@ -93,7 +93,9 @@ mod tests {
     #[test]
     fn release_drops_only_that_job() {
         let store = PartitionStore::new();
-        let batch = RecordBatch::try_from_iter([("x", Arc::new(Int64Array::from(vec![1, 2, 3])) as _)]).unwrap();
+        let batch =
+            RecordBatch::try_from_iter([("x", Arc::new(Int64Array::from(vec![1, 2, 3])) as _)])
+                .unwrap();
         store.insert(id("a", 0), Table::new(batch.clone()));
         store.insert(id("a", 1), Table::new(batch.clone()));
         store.insert(id("b", 0), Table::new(batch));

@@ -55,7 +55,10 @@ type ChunkStream = Pin<Box<dyn Stream<Item = Result<DataChunk, Status>> + Send>>
 impl Worker for DataService {
     type FetchPartitionStream = ChunkStream;
 
-    async fn fetch_partition(&self, request: Request<PartitionKey>) -> Result<Response<ChunkStream>, Status> {
+    async fn fetch_partition(
+        &self,
+        request: Request<PartitionKey>,
+    ) -> Result<Response<ChunkStream>, Status> {
         let key = request.into_inner();
         let Some(table) = self.store.get(&PartitionId::from(&key)) else {
             return Err(Status::not_found(format!(
@@ -93,7 +96,12 @@ impl PeerClient {
     }
 
     async fn channel(&self, address: &str) -> Result<Channel, TransferError> {
-        if let Some(channel) = self.channels.lock().ok().and_then(|m| m.get(address).cloned()) {
+        if let Some(channel) = self
+            .channels
+            .lock()
+            .ok()
+            .and_then(|m| m.get(address).cloned())
+        {
             return Ok(channel);
         }
         let connect_err = |detail: String| TransferError::Connect {
@@ -126,7 +134,11 @@ impl PeerClient {
             .map_err(|s| fetch_err(s.message().to_string()))?
             .into_inner();
         let mut bytes = Vec::new();
-        while let Some(chunk) = stream.message().await.map_err(|s| fetch_err(s.message().to_string()))? {
+        while let Some(chunk) = stream
+            .message()
+            .await
+            .map_err(|s| fetch_err(s.message().to_string()))?
+        {
             bytes.extend_from_slice(&chunk.ipc);
         }
         let (address, key_text) = (address.to_string(), key.to_string());

@@ -101,21 +101,27 @@ impl Failure {
 }
 
 /// Runs a worker until `shutdown` resolves or the scheduler goes away.
-pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()>) -> Result<(), WorkerError> {
+pub async fn run(
+    config: WorkerConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), WorkerError> {
     let worker_id = config.worker_id.clone().unwrap_or_else(default_worker_id);
     let engine = TaskEngine::new(config.engine.clone())?;
     let store = Arc::new(PartitionStore::new());
 
-    let listener = TcpListener::bind(config.listen)
-        .await
+    let listener =
+        TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| WorkerError::Listen {
+                address: config.listen,
+                source,
+            })?;
+    let local = listener
+        .local_addr()
         .map_err(|source| WorkerError::Listen {
             address: config.listen,
             source,
         })?;
-    let local = listener.local_addr().map_err(|source| WorkerError::Listen {
-        address: config.listen,
-        source,
-    })?;
     let host = config
         .advertise_host
         .clone()
@@ -168,7 +174,11 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()>) -> Re
             Some(FromScheduler::Registered(registered)) => {
                 Duration::from_millis(registered.heartbeat_interval_ms.max(50))
             }
-            other => return Err(gone(format!("expected a registration answer, got {other:?}"))),
+            other => {
+                return Err(gone(format!(
+                    "expected a registration answer, got {other:?}"
+                )));
+            }
         },
         Ok(None) => return Err(gone("the scheduler closed the channel".into())),
         Err(status) => {
@@ -305,10 +315,18 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask) {
             })
         }
     };
-    let _ = shared.outbox.send(WorkerMessage { kind: Some(message) }).await;
+    let _ = shared
+        .outbox
+        .send(WorkerMessage {
+            kind: Some(message),
+        })
+        .await;
 }
 
-async fn execute(shared: &Arc<Shared>, task: AssignTask) -> Result<(Vec<Table>, TaskStats), Failure> {
+async fn execute(
+    shared: &Arc<Shared>,
+    task: AssignTask,
+) -> Result<(Vec<Table>, TaskStats), Failure> {
     let started = Instant::now();
     let compiled = compiled_module(shared, &task).await?;
     let prepare = started.elapsed();
@@ -318,9 +336,10 @@ async fn execute(shared: &Arc<Shared>, task: AssignTask) -> Result<(Vec<Table>, 
     }
     let input_rows: u64 = inputs.iter().map(|t| t.num_rows() as u64).sum();
     let id = task.task.clone().unwrap_or_default();
-    let grants = |g: &std::collections::HashMap<String, wrk_proto::Grant>| -> BTreeMap<String, String> {
-        g.iter().map(|(k, v)| (k.clone(), v.uri.clone())).collect()
-    };
+    let grants =
+        |g: &std::collections::HashMap<String, wrk_proto::Grant>| -> BTreeMap<String, String> {
+            g.iter().map(|(k, v)| (k.clone(), v.uri.clone())).collect()
+        };
     let info = Arc::new(TaskInfo {
         job_id: id.job_id.clone(),
         job_name: task.job_name.clone(),
@@ -347,10 +366,11 @@ async fn execute(shared: &Arc<Shared>, task: AssignTask) -> Result<(Vec<Table>, 
         },
     };
     let runner = shared.clone();
-    let run = tokio::task::spawn_blocking(move || runner.engine.run(&compiled, info, inputs, limits))
-        .await
-        .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?
-        .map_err(Failure::fatal)?;
+    let run =
+        tokio::task::spawn_blocking(move || runner.engine.run(&compiled, info, inputs, limits))
+            .await
+            .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?
+            .map_err(Failure::fatal)?;
     let stats = TaskStats {
         duration_us: started.elapsed().as_micros() as u64,
         prepare_us: (prepare + run.instantiate).as_micros() as u64,
@@ -362,7 +382,10 @@ async fn execute(shared: &Arc<Shared>, task: AssignTask) -> Result<(Vec<Table>, 
 }
 
 /// The task's component, compiled once per content hash; fetched from the scheduler if new.
-async fn compiled_module(shared: &Arc<Shared>, task: &AssignTask) -> Result<Arc<CompiledTask>, Failure> {
+async fn compiled_module(
+    shared: &Arc<Shared>,
+    task: &AssignTask,
+) -> Result<Arc<CompiledTask>, Failure> {
     if let Some(compiled) = shared.engine.cached(&task.module_hash) {
         return Ok(compiled);
     }

@@ -25,7 +25,9 @@ pub enum GraphError {
     },
     #[error("stage `{stage}` takes input from stage #{input}, which is not an earlier stage")]
     ForwardInput { stage: String, input: u32 },
-    #[error("stage `{stage}` maps one-to-one over stage `{input}`, but has {tasks} tasks where `{input}` has {input_tasks}")]
+    #[error(
+        "stage `{stage}` maps one-to-one over stage `{input}`, but has {tasks} tasks where `{input}` has {input_tasks}"
+    )]
     OneToOneMismatch {
         stage: String,
         input: String,
@@ -94,7 +96,11 @@ pub fn validate(spec: &JobSpec, known_modules: &HashSet<String>) -> Result<(), G
             });
         }
         for input in &stage.inputs {
-            let Some(upstream) = spec.stages.get(input.stage as usize).filter(|_| (input.stage as usize) < index) else {
+            let Some(upstream) = spec
+                .stages
+                .get(input.stage as usize)
+                .filter(|_| (input.stage as usize) < index)
+            else {
                 return Err(GraphError::ForwardInput {
                     stage: stage.name.clone(),
                     input: input.stage,
@@ -160,16 +166,25 @@ mod tests {
         let mut s = spec();
         s.stages[1].inputs[0].pattern = Pattern::OneToOne as i32;
         let err = validate(&s, &HashSet::new()).unwrap_err().to_string();
-        assert!(err.contains("`reduce` maps one-to-one over stage `map`"), "{err}");
+        assert!(
+            err.contains("`reduce` maps one-to-one over stage `map`"),
+            "{err}"
+        );
 
         let mut s = spec();
-        s.stages[0].inputs.push(StageInput { stage: 1, pattern: 0 });
+        s.stages[0].inputs.push(StageInput {
+            stage: 1,
+            pattern: 0,
+        });
         let err = validate(&s, &HashSet::new()).unwrap_err().to_string();
         assert!(err.contains("`map` takes input from stage #1"), "{err}");
 
         let mut s = spec();
         s.modules[0].wasm.push(0);
         let err = validate(&s, &HashSet::new()).unwrap_err().to_string();
-        assert!(err.contains("module `m.wasm` does not match its hash"), "{err}");
+        assert!(
+            err.contains("module `m.wasm` does not match its hash"),
+            "{err}"
+        );
     }
 }

@@ -49,7 +49,9 @@ pub struct SchedulerService {
 fn status(e: StateError) -> Status {
     match e {
         StateError::DuplicateWorker(_) => Status::already_exists(e.to_string()),
-        StateError::UnknownJob(_) | StateError::UnknownModule(_) => Status::not_found(e.to_string()),
+        StateError::UnknownJob(_) | StateError::UnknownModule(_) => {
+            Status::not_found(e.to_string())
+        }
     }
 }
 
@@ -69,7 +71,9 @@ impl SchedulerService {
 
     fn state(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves consistent-enough state for reads; keep serving.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Declares workers lost when they stop heartbeating; runs until the service is dropped.
@@ -99,7 +103,10 @@ impl Scheduler for SchedulerService {
     type AttachStream = BoxStream<SchedulerMessage>;
     type WatchJobStream = BoxStream<JobProgress>;
 
-    async fn attach(&self, request: Request<Streaming<WorkerMessage>>) -> Result<Response<Self::AttachStream>, Status> {
+    async fn attach(
+        &self,
+        request: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
         let mut inbound = request.into_inner();
         let register = match inbound.message().await? {
             Some(WorkerMessage {
@@ -108,13 +115,17 @@ impl Scheduler for SchedulerService {
             _ => return Err(Status::invalid_argument("a worker must register first")),
         };
         if register.worker_id.is_empty() || register.data_address.is_empty() {
-            return Err(Status::invalid_argument("registration needs a worker id and a data address"));
+            return Err(Status::invalid_argument(
+                "registration needs a worker id and a data address",
+            ));
         }
         let (outbox, messages) = mpsc::unbounded_channel();
         let worker_id = register.worker_id.clone();
         {
             let mut state = self.state();
-            state.register_worker(&register, outbox.clone()).map_err(status)?;
+            state
+                .register_worker(&register, outbox.clone())
+                .map_err(status)?;
             let _ = outbox.send(Ok(SchedulerMessage {
                 kind: Some(ToWorker::Registered(Registered {
                     heartbeat_interval_ms: self.config.heartbeat_interval.as_millis() as u64,
@@ -135,7 +146,9 @@ impl Scheduler for SchedulerService {
                                 Vec::new()
                             }
                             Some(FromWorker::Done(done)) => state.task_done(&worker_id, done),
-                            Some(FromWorker::Failed(failed)) => state.task_failed(&worker_id, failed),
+                            Some(FromWorker::Failed(failed)) => {
+                                state.task_failed(&worker_id, failed)
+                            }
                             Some(FromWorker::Register(_)) | None => Vec::new(),
                         };
                         send(out);
@@ -147,10 +160,15 @@ impl Scheduler for SchedulerService {
             let out = service.state().worker_lost(&worker_id, &reason);
             send(out);
         });
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(messages))))
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(
+            messages,
+        ))))
     }
 
-    async fn get_module(&self, request: Request<GetModuleRequest>) -> Result<Response<ModuleBytes>, Status> {
+    async fn get_module(
+        &self,
+        request: Request<GetModuleRequest>,
+    ) -> Result<Response<ModuleBytes>, Status> {
         let hash = request.into_inner().hash;
         let module = self.state().module(&hash).map_err(status)?;
         Ok(Response::new(ModuleBytes {
@@ -160,13 +178,17 @@ impl Scheduler for SchedulerService {
         }))
     }
 
-    async fn submit_job(&self, request: Request<SubmitJobRequest>) -> Result<Response<SubmitJobResponse>, Status> {
+    async fn submit_job(
+        &self,
+        request: Request<SubmitJobRequest>,
+    ) -> Result<Response<SubmitJobResponse>, Status> {
         let Some(spec) = request.into_inner().job else {
             return Err(Status::invalid_argument("the request has no job"));
         };
         let known = self.state().known_modules();
         // Hashing modules can take a while: do it outside the lock.
-        graph::validate(&spec, &known).map_err(|e| Status::invalid_argument(format!("job `{}`: {e}", spec.name)))?;
+        graph::validate(&spec, &known)
+            .map_err(|e| Status::invalid_argument(format!("job `{}`: {e}", spec.name)))?;
         let mut state = self.state();
         let name = spec.name.clone();
         let (job_id, _) = state.submit(spec);
@@ -175,48 +197,74 @@ impl Scheduler for SchedulerService {
         Ok(Response::new(SubmitJobResponse { job_id }))
     }
 
-    async fn watch_job(&self, request: Request<JobRef>) -> Result<Response<Self::WatchJobStream>, Status> {
-        let receiver = self.state().watch(&request.into_inner().job_id).map_err(status)?;
-        let stream = futures::stream::unfold((receiver, false), |(mut receiver, finished)| async move {
-            if finished {
-                return None;
-            }
-            let progress = receiver.borrow_and_update().clone();
-            let terminal = matches!(
-                progress.state(),
-                JobState::Succeeded | JobState::Failed | JobState::Cancelled
-            );
-            if !terminal && receiver.changed().await.is_err() {
-                return None;
-            }
-            let progress = if terminal { progress } else { receiver.borrow_and_update().clone() };
-            let terminal = matches!(
-                progress.state(),
-                JobState::Succeeded | JobState::Failed | JobState::Cancelled
-            );
-            Some((Ok(progress), (receiver, terminal)))
-        });
+    async fn watch_job(
+        &self,
+        request: Request<JobRef>,
+    ) -> Result<Response<Self::WatchJobStream>, Status> {
+        let receiver = self
+            .state()
+            .watch(&request.into_inner().job_id)
+            .map_err(status)?;
+        let stream =
+            futures::stream::unfold((receiver, false), |(mut receiver, finished)| async move {
+                if finished {
+                    return None;
+                }
+                let progress = receiver.borrow_and_update().clone();
+                let terminal = matches!(
+                    progress.state(),
+                    JobState::Succeeded | JobState::Failed | JobState::Cancelled
+                );
+                if !terminal && receiver.changed().await.is_err() {
+                    return None;
+                }
+                let progress = if terminal {
+                    progress
+                } else {
+                    receiver.borrow_and_update().clone()
+                };
+                let terminal = matches!(
+                    progress.state(),
+                    JobState::Succeeded | JobState::Failed | JobState::Cancelled
+                );
+                Some((Ok(progress), (receiver, terminal)))
+            });
         Ok(Response::new(Box::pin(stream)))
     }
 
-    async fn get_job_result(&self, request: Request<JobRef>) -> Result<Response<JobResult>, Status> {
-        let result = self.state().result(&request.into_inner().job_id).map_err(status)?;
+    async fn get_job_result(
+        &self,
+        request: Request<JobRef>,
+    ) -> Result<Response<JobResult>, Status> {
+        let result = self
+            .state()
+            .result(&request.into_inner().job_id)
+            .map_err(status)?;
         Ok(Response::new(result))
     }
 
     async fn cancel_job(&self, request: Request<JobRef>) -> Result<Response<Empty>, Status> {
-        let out = self.state().cancel(&request.into_inner().job_id).map_err(status)?;
+        let out = self
+            .state()
+            .cancel(&request.into_inner().job_id)
+            .map_err(status)?;
         send(out);
         Ok(Response::new(Empty {}))
     }
 
     async fn release_job(&self, request: Request<JobRef>) -> Result<Response<Empty>, Status> {
-        let out = self.state().release(&request.into_inner().job_id).map_err(status)?;
+        let out = self
+            .state()
+            .release(&request.into_inner().job_id)
+            .map_err(status)?;
         send(out);
         Ok(Response::new(Empty {}))
     }
 
-    async fn get_cluster_status(&self, _request: Request<Empty>) -> Result<Response<ClusterStatus>, Status> {
+    async fn get_cluster_status(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<ClusterStatus>, Status> {
         Ok(Response::new(self.state().status()))
     }
 }

@@ -48,8 +48,13 @@ enum TaskStatus {
     /// Waiting for this many input tasks to finish.
     Waiting(u32),
     Ready,
-    Running { worker: String },
-    Done { worker: String, outputs: Vec<OutputMeta> },
+    Running {
+        worker: String,
+    },
+    Done {
+        worker: String,
+        outputs: Vec<OutputMeta>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -100,7 +105,10 @@ pub struct State {
 }
 
 fn is_terminal(state: JobState) -> bool {
-    matches!(state, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
+    matches!(
+        state,
+        JobState::Succeeded | JobState::Failed | JobState::Cancelled
+    )
 }
 
 impl Job {
@@ -154,7 +162,10 @@ impl Job {
     }
 
     fn is_done(&self, stage: u32, index: u32) -> bool {
-        matches!(self.tasks[stage as usize][index as usize].status, TaskStatus::Done { .. })
+        matches!(
+            self.tasks[stage as usize][index as usize].status,
+            TaskStatus::Done { .. }
+        )
     }
 
     /// Final stages: those no other stage consumes.
@@ -298,7 +309,11 @@ impl State {
             progress,
         };
         for (stage, index) in job.recount() {
-            self.ready.push_back(TaskRef { job: number, stage, index });
+            self.ready.push_back(TaskRef {
+                job: number,
+                stage,
+                index,
+            });
         }
         job.publish();
         self.jobs.insert(number, job);
@@ -353,8 +368,11 @@ impl State {
     fn place(&self, job: &Job, task: TaskRef) -> Option<String> {
         let mut local_bytes: HashMap<&str, u64> = HashMap::new();
         for (stage, index) in job.inputs_of(task.stage, task.index) {
-            if let TaskStatus::Done { worker, outputs } = &job.tasks[stage as usize][index as usize].status {
-                *local_bytes.entry(worker.as_str()).or_default() += outputs.iter().map(|o| o.bytes).sum::<u64>();
+            if let TaskStatus::Done { worker, outputs } =
+                &job.tasks[stage as usize][index as usize].status
+            {
+                *local_bytes.entry(worker.as_str()).or_default() +=
+                    outputs.iter().map(|o| o.bytes).sum::<u64>();
             }
         }
         self.workers
@@ -369,7 +387,10 @@ impl State {
     }
 
     fn start(&mut self, task: TaskRef, worker_id: &str) -> (WorkerOutbox, SchedulerMessage) {
-        let job = self.jobs.get_mut(&task.job).unwrap_or_else(|| unreachable!("placed task of a missing job"));
+        let job = self
+            .jobs
+            .get_mut(&task.job)
+            .unwrap_or_else(|| unreachable!("placed task of a missing job"));
         let entry = &mut job.tasks[task.stage as usize][task.index as usize];
         entry.attempts += 1;
         entry.status = TaskStatus::Running {
@@ -389,8 +410,13 @@ impl State {
             });
         }
         for (s, i) in job.inputs_of(task.stage, task.index) {
-            if let TaskStatus::Done { worker, outputs } = &job.tasks[s as usize][i as usize].status {
-                let address = self.workers.get(worker).map(|w| w.address.clone()).unwrap_or_default();
+            if let TaskStatus::Done { worker, outputs } = &job.tasks[s as usize][i as usize].status
+            {
+                let address = self
+                    .workers
+                    .get(worker)
+                    .map(|w| w.address.clone())
+                    .unwrap_or_default();
                 for (output, meta) in outputs.iter().enumerate() {
                     inputs.push(TaskInput {
                         kind: Some(task_input::Kind::Partition(PartitionLocation {
@@ -422,14 +448,21 @@ impl State {
             stage_name: stage.name.clone(),
             task_count: stage.num_tasks,
             module_hash: stage.module_hash.clone(),
-            module_name: self.modules.get(&stage.module_hash).map(|m| m.name.clone()).unwrap_or_default(),
+            module_name: self
+                .modules
+                .get(&stage.module_hash)
+                .map(|m| m.name.clone())
+                .unwrap_or_default(),
             params,
             inputs,
             sources: job.spec.sources.clone(),
             sinks: job.spec.sinks.clone(),
             limits: job.spec.limits,
         };
-        let worker = self.workers.get_mut(worker_id).unwrap_or_else(|| unreachable!("placed on a missing worker"));
+        let worker = self
+            .workers
+            .get_mut(worker_id)
+            .unwrap_or_else(|| unreachable!("placed on a missing worker"));
         worker.running.insert((task.job, task.stage, task.index));
         (worker.outbox.clone(), message(ToWorker::Assign(assign)))
     }
@@ -439,7 +472,8 @@ impl State {
         let number = *self.job_ids.get(&id.job_id)?;
         let job = self.jobs.get(&number)?;
         let entry = job.tasks.get(id.stage as usize)?.get(id.index as usize)?;
-        let running_here = matches!(&entry.status, TaskStatus::Running { worker } if worker == worker_id);
+        let running_here =
+            matches!(&entry.status, TaskStatus::Running { worker } if worker == worker_id);
         (running_here && entry.attempts == id.attempt).then_some(TaskRef {
             job: number,
             stage: id.stage,
@@ -452,12 +486,19 @@ impl State {
             return Vec::new();
         };
         if let Some(worker) = self.workers.get_mut(worker_id) {
-            worker.running.remove(&(self.job_ids.get(&id.job_id).copied().unwrap_or(0), id.stage, id.index));
+            worker.running.remove(&(
+                self.job_ids.get(&id.job_id).copied().unwrap_or(0),
+                id.stage,
+                id.index,
+            ));
         }
         let Some(task) = self.current(worker_id, &id) else {
             return self.dispatch();
         };
-        let job = self.jobs.get_mut(&task.job).unwrap_or_else(|| unreachable!());
+        let job = self
+            .jobs
+            .get_mut(&task.job)
+            .unwrap_or_else(|| unreachable!());
         job.tasks[task.stage as usize][task.index as usize].status = TaskStatus::Done {
             worker: worker_id.to_string(),
             outputs: done.outputs,
@@ -483,7 +524,11 @@ impl State {
                 }
             }
         }
-        let all_done = job.tasks.iter().flatten().all(|t| matches!(t.status, TaskStatus::Done { .. }));
+        let all_done = job
+            .tasks
+            .iter()
+            .flatten()
+            .all(|t| matches!(t.status, TaskStatus::Done { .. }));
         if all_done && job.state == JobState::Running {
             job.state = JobState::Succeeded;
             tracing::info!(job = %job.id, name = %job.spec.name, "job succeeded");
@@ -497,12 +542,19 @@ impl State {
             return Vec::new();
         };
         if let Some(worker) = self.workers.get_mut(worker_id) {
-            worker.running.remove(&(self.job_ids.get(&id.job_id).copied().unwrap_or(0), id.stage, id.index));
+            worker.running.remove(&(
+                self.job_ids.get(&id.job_id).copied().unwrap_or(0),
+                id.stage,
+                id.index,
+            ));
         }
         let Some(task) = self.current(worker_id, &id) else {
             return self.dispatch();
         };
-        let job = self.jobs.get_mut(&task.job).unwrap_or_else(|| unreachable!());
+        let job = self
+            .jobs
+            .get_mut(&task.job)
+            .unwrap_or_else(|| unreachable!());
         let entry = &mut job.tasks[task.stage as usize][task.index as usize];
         let stage_name = job.spec.stages[task.stage as usize].name.clone();
         if failed.retriable && entry.attempts < MAX_ATTEMPTS {
@@ -568,7 +620,11 @@ impl State {
 
     pub fn cancel(&mut self, job_id: &str) -> Result<Outgoing, StateError> {
         let number = self.job_number(job_id)?;
-        let mut out = self.finish_job(number, JobState::Cancelled, "cancelled by the client".into());
+        let mut out = self.finish_job(
+            number,
+            JobState::Cancelled,
+            "cancelled by the client".into(),
+        );
         out.extend(self.release(job_id)?);
         out.extend(self.dispatch());
         Ok(out)
@@ -610,7 +666,9 @@ impl State {
             for tasks in job.tasks.iter_mut() {
                 for entry in tasks.iter_mut() {
                     let on_lost = match &entry.status {
-                        TaskStatus::Running { worker } | TaskStatus::Done { worker, .. } => worker == worker_id,
+                        TaskStatus::Running { worker } | TaskStatus::Done { worker, .. } => {
+                            worker == worker_id
+                        }
                         _ => false,
                     };
                     if on_lost {
@@ -622,7 +680,11 @@ impl State {
             if touched {
                 let number = *self.job_ids.get(&job.id).unwrap_or(&0);
                 for (stage, index) in job.recount() {
-                    self.ready.push_back(TaskRef { job: number, stage, index });
+                    self.ready.push_back(TaskRef {
+                        job: number,
+                        stage,
+                        index,
+                    });
                 }
                 job.publish();
             }
@@ -638,7 +700,11 @@ impl State {
             for stage in job.final_stages() {
                 for (index, entry) in job.tasks[stage as usize].iter().enumerate() {
                     if let TaskStatus::Done { worker, outputs } = &entry.status {
-                        let address = self.workers.get(worker).map(|w| w.address.clone()).unwrap_or_default();
+                        let address = self
+                            .workers
+                            .get(worker)
+                            .map(|w| w.address.clone())
+                            .unwrap_or_default();
                         for (output, meta) in outputs.iter().enumerate() {
                             partitions.push(PartitionLocation {
                                 key: Some(PartitionKey {
@@ -853,7 +919,13 @@ mod tests {
         );
         let result = state.result(&id).unwrap();
         assert_eq!(result.state(), JobState::Failed);
-        assert!(result.error.contains("stage `map` task 0 failed: module `m.wasm` trapped"), "{}", result.error);
+        assert!(
+            result
+                .error
+                .contains("stage `map` task 0 failed: module `m.wasm` trapped"),
+            "{}",
+            result.error
+        );
     }
 
     #[test]
@@ -879,7 +951,13 @@ mod tests {
         }
         let result = state.result(&id).unwrap();
         assert_eq!(result.state(), JobState::Failed);
-        assert!(result.error.contains(&format!("after {MAX_ATTEMPTS} attempts")), "{}", result.error);
+        assert!(
+            result
+                .error
+                .contains(&format!("after {MAX_ATTEMPTS} attempts")),
+            "{}",
+            result.error
+        );
     }
 
     #[test]
@@ -890,7 +968,8 @@ mod tests {
         let (id, _) = state.submit(map_reduce(2));
         let maps = assigned(&state.dispatch());
         assert_eq!(maps.len(), 2);
-        let (on_a, on_b): (Vec<_>, Vec<_>) = maps.into_iter().partition(|m| worker_of(&state, m) == "a");
+        let (on_a, on_b): (Vec<_>, Vec<_>) =
+            maps.into_iter().partition(|m| worker_of(&state, m) == "a");
         // a finishes its map; then a dies while b still runs the other map.
         state.task_done("a", done(&on_a[0], 5));
         let out = state.worker_lost("a", "test");
@@ -898,11 +977,17 @@ mod tests {
         assert!(rerun.is_empty(), "b is busy: nothing can start yet");
         let out = state.task_done("b", done(&on_b[0], 5));
         let rerun = assigned(&out);
-        assert_eq!(rerun.len(), 1, "the map whose output died with `a` runs again");
+        assert_eq!(
+            rerun.len(),
+            1,
+            "the map whose output died with `a` runs again"
+        );
         assert_eq!(rerun[0].stage_name, "map");
         assert_eq!(rerun[0].task.as_ref().unwrap().attempt, 2);
         let reduce = assigned(&state.task_done("b", done(&rerun[0], 5))).remove(0);
-        assert!(reduce.inputs.iter().all(|i| matches!(&i.kind, Some(task_input::Kind::Partition(p)) if p.worker_id == "b")));
+        assert!(reduce.inputs.iter().all(
+            |i| matches!(&i.kind, Some(task_input::Kind::Partition(p)) if p.worker_id == "b")
+        ));
         state.task_done("b", done(&reduce, 1));
         assert_eq!(job_state(&state, &id), JobState::Succeeded);
     }
@@ -928,10 +1013,19 @@ mod tests {
         let (id, _) = state.submit(map_reduce(3));
         state.dispatch();
         let out = state.cancel(&id).unwrap();
-        let cancels = out.iter().filter(|(_, m)| matches!(m.kind, Some(ToWorker::Cancel(_)))).count();
-        let releases = out.iter().filter(|(_, m)| matches!(m.kind, Some(ToWorker::Release(_)))).count();
+        let cancels = out
+            .iter()
+            .filter(|(_, m)| matches!(m.kind, Some(ToWorker::Cancel(_))))
+            .count();
+        let releases = out
+            .iter()
+            .filter(|(_, m)| matches!(m.kind, Some(ToWorker::Release(_))))
+            .count();
         assert_eq!((cancels, releases), (2, 1));
-        assert!(assigned(&out).is_empty(), "nothing of a cancelled job starts");
+        assert!(
+            assigned(&out).is_empty(),
+            "nothing of a cancelled job starts"
+        );
         assert_eq!(job_state(&state, &id), JobState::Cancelled);
         drop(a.try_recv());
     }

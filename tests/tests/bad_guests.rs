@@ -41,8 +41,15 @@ async fn bad_guests_fail_their_task_and_the_worker_keeps_serving() {
     })
     .await
     .unwrap();
-    cluster.wait_for_workers(1, Duration::from_secs(30)).await.unwrap();
-    assert_eq!(run(&cluster, &noop).await, Ok(0), "a healthy job runs first");
+    cluster
+        .wait_for_workers(1, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(
+        run(&cluster, &noop).await,
+        Ok(0),
+        "a healthy job runs first"
+    );
 
     let broken_module = dir.path().join("broken.wasm");
     std::fs::write(&broken_module, b"\0asm\x0d\0\x01\0 truncated garbage").unwrap();
@@ -53,29 +60,58 @@ async fn bad_guests_fail_their_task_and_the_worker_keeps_serving() {
         ),
         (
             write_job(dir.path(), "trap", &guest("test-guest-trap"), ""),
-            vec!["module `test_guest_trap.wasm` trapped", "deliberate failure in test guest"],
+            vec![
+                "module `test_guest_trap.wasm` trapped",
+                "deliberate failure in test guest",
+            ],
         ),
         (
-            write_job(dir.path(), "spin", &guest("test-guest-spin"), "[limits]\ntask_timeout_secs = 1"),
+            write_job(
+                dir.path(),
+                "spin",
+                &guest("test-guest-spin"),
+                "[limits]\ntask_timeout_secs = 1",
+            ),
             vec!["module `test_guest_spin.wasm` exceeded its time limit of 1s"],
         ),
         (
-            write_job(dir.path(), "hog", &guest("test-guest-hog"), "[limits]\ntask_memory_mib = 64"),
-            vec!["module `test_guest_hog.wasm` was stopped", "memory limit exceeded", "limit is 67108864 bytes"],
+            write_job(
+                dir.path(),
+                "hog",
+                &guest("test-guest-hog"),
+                "[limits]\ntask_memory_mib = 64",
+            ),
+            vec![
+                "module `test_guest_hog.wasm` was stopped",
+                "memory limit exceeded",
+                "limit is 67108864 bytes",
+            ],
         ),
         (
             // A guest's own error: the taxi module has no stage `main`.
             write_job(dir.path(), "wrong-stage", &guest("taxi-haversine"), ""),
-            vec!["module `taxi_haversine.wasm` returned an error", "no stage `main`"],
+            vec![
+                "module `taxi_haversine.wasm` returned an error",
+                "no stage `main`",
+            ],
         ),
     ];
     for (job_file, expected) in cases {
-        let err = run(&cluster, &job_file).await.expect_err("a bad guest must fail its job");
-        assert!(err.contains("stage `main` task"), "the failing stage is named: {err}");
+        let err = run(&cluster, &job_file)
+            .await
+            .expect_err("a bad guest must fail its job");
+        assert!(
+            err.contains("stage `main` task"),
+            "the failing stage is named: {err}"
+        );
         for fragment in expected {
             assert!(err.contains(fragment), "expected `{fragment}` in: {err}");
         }
-        assert_eq!(run(&cluster, &noop).await, Ok(0), "the worker still serves jobs after: {err}");
+        assert_eq!(
+            run(&cluster, &noop).await,
+            Ok(0),
+            "the worker still serves jobs after: {err}"
+        );
     }
     cluster.shutdown().await;
 }

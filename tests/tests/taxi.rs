@@ -29,7 +29,11 @@ fn taxi_job_on_an_embedded_cluster_matches_the_reference() {
         .arg(format!("trips={}", data.path().display()))
         .output()
         .expect("run wrk submit");
-    assert!(run.status.success(), "wrk submit failed: {}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "wrk submit failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(stderr.contains("succeeded"), "{stderr}");
     assert_summaries_match(&read_summary(&result), &taxi_reference(data.path()));
@@ -61,7 +65,10 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
     processes.0.push(scheduler);
     let mut lines = BufReader::new(stderr).lines();
     let address = loop {
-        let line = lines.next().expect("scheduler exited early").expect("read scheduler output");
+        let line = lines
+            .next()
+            .expect("scheduler exited early")
+            .expect("read scheduler output");
         if let Some(address) = line.strip_prefix("wrk scheduler listening on ") {
             break address.trim().to_string();
         }
@@ -71,7 +78,15 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
     let url = format!("http://{address}");
     for id in ["w1", "w2"] {
         let worker = Command::new(wrk())
-            .args(["worker", "--scheduler", &url, "--listen", "127.0.0.1:0", "--id", id])
+            .args([
+                "worker",
+                "--scheduler",
+                &url,
+                "--listen",
+                "127.0.0.1:0",
+                "--id",
+                id,
+            ])
             .stderr(Stdio::null())
             .spawn()
             .expect("start wrk worker");
@@ -79,11 +94,17 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
     }
     let started = Instant::now();
     loop {
-        let status = Command::new(wrk()).args(["status", "--scheduler", &url]).output().expect("wrk status");
+        let status = Command::new(wrk())
+            .args(["status", "--scheduler", &url])
+            .output()
+            .expect("wrk status");
         if String::from_utf8_lossy(&status.stdout).contains("workers: 2") {
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(30), "workers did not register");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "workers did not register"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let out = tempfile::tempdir().unwrap();
@@ -97,10 +118,17 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
         .arg(format!("trips={}", data.path().display()))
         .output()
         .expect("run wrk submit");
-    assert!(run.status.success(), "wrk submit failed: {}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "wrk submit failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     assert_summaries_match(&read_summary(&result), &taxi_reference(data.path()));
 
-    let status = Command::new(wrk()).args(["status", "--scheduler", &url]).output().expect("wrk status");
+    let status = Command::new(wrk())
+        .args(["status", "--scheduler", &url])
+        .output()
+        .expect("wrk status");
     let status = String::from_utf8_lossy(&status.stdout);
     assert!(status.contains("JOB_STATE_SUCCEEDED"), "{status}");
     assert!(status.contains("w1") && status.contains("w2"), "{status}");

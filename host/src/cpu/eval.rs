@@ -40,7 +40,10 @@ impl Value {
         }
     }
 
-    fn map(self, f: impl FnOnce(&ArrayRef) -> Result<ArrayRef, ArrowError>) -> Result<Self, ArrowError> {
+    fn map(
+        self,
+        f: impl FnOnce(&ArrayRef) -> Result<ArrayRef, ArrowError>,
+    ) -> Result<Self, ArrowError> {
         Ok(match self {
             Value::Array(a) => Value::Array(f(&a)?),
             Value::Scalar(a) => Value::Scalar(f(&a)?),
@@ -86,7 +89,10 @@ pub fn evaluate(expr: &Expr, batch: &RecordBatch) -> Result<ArrayRef, ExprError>
 }
 
 /// Evaluates a boolean `predicate`; null counts as false.
-pub fn evaluate_predicate(predicate: &Expr, batch: &RecordBatch) -> Result<BooleanArray, ExprError> {
+pub fn evaluate_predicate(
+    predicate: &Expr,
+    batch: &RecordBatch,
+) -> Result<BooleanArray, ExprError> {
     let data_type = predicate.data_type(&batch.schema())?;
     if !matches!(data_type, DataType::Boolean | DataType::Null) {
         return Err(ExprError::TypeMismatch {
@@ -129,7 +135,9 @@ fn eval(expr: &Expr, batch: &RecordBatch) -> Result<Value, ArrowError> {
             let target = type_of(expr)?;
             let value = eval(arg, batch)?.cast(&target)?;
             let fill = eval(fill, batch)?.cast(&target)?;
-            let mask = value.clone().map(|a| Ok(Arc::new(boolean::is_not_null(a)?) as ArrayRef))?;
+            let mask = value
+                .clone()
+                .map(|a| Ok(Arc::new(boolean::is_not_null(a)?) as ArrayRef))?;
             select(mask, value, fill)
         }
         Expr::IfElse {
@@ -150,12 +158,19 @@ fn eval(expr: &Expr, batch: &RecordBatch) -> Result<Value, ArrowError> {
 fn select(mask: Value, truthy: Value, falsy: Value) -> Result<Value, ArrowError> {
     let all_scalar = mask.is_scalar() && truthy.is_scalar() && falsy.is_scalar();
     let mask_array = mask.array().as_boolean().clone();
-    let rows = [mask.array().len(), truthy.array().len(), falsy.array().len()]
-        .into_iter()
-        .max()
-        .unwrap_or(1);
+    let rows = [
+        mask.array().len(),
+        truthy.array().len(),
+        falsy.array().len(),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(1);
     let mask_array = if mask.is_scalar() && rows > 1 {
-        Value::Scalar(Arc::new(mask_array)).into_array(rows)?.as_boolean().clone()
+        Value::Scalar(Arc::new(mask_array))
+            .into_array(rows)?
+            .as_boolean()
+            .clone()
     } else {
         mask_array
     };
@@ -199,7 +214,8 @@ fn eval_binary(
 ) -> Result<Value, ArrowError> {
     use BinaryOp::*;
     let scalar = both_scalar(&left, &right);
-    let invalid = || ArrowError::InvalidArgumentError(format!("{op:?} on {left_type} and {right_type}"));
+    let invalid =
+        || ArrowError::InvalidArgumentError(format!("{op:?} on {left_type} and {right_type}"));
     match op {
         Add | Sub | Mul | Rem => {
             let target = numeric_result(left_type, right_type).ok_or_else(invalid)?;
@@ -214,14 +230,20 @@ fn eval_binary(
             Ok(wrap(scalar, result))
         }
         Div => {
-            let (l, r) = (left.cast(&DataType::Float64)?, right.cast(&DataType::Float64)?);
+            let (l, r) = (
+                left.cast(&DataType::Float64)?,
+                right.cast(&DataType::Float64)?,
+            );
             Ok(wrap(scalar, numeric::div(&*l.datum(), &*r.datum())?))
         }
         Pow | Atan2 => {
             let rows = left.array().len().max(right.array().len());
             let l = left.cast(&DataType::Float64)?.into_array(rows)?;
             let r = right.cast(&DataType::Float64)?.into_array(rows)?;
-            let (l, r) = (l.as_primitive::<Float64Type>(), r.as_primitive::<Float64Type>());
+            let (l, r) = (
+                l.as_primitive::<Float64Type>(),
+                r.as_primitive::<Float64Type>(),
+            );
             let result: Float64Array = match op {
                 Pow => binary(l, r, f64::powf)?,
                 _ => binary(l, r, f64::atan2)?,
@@ -272,7 +294,10 @@ fn eval_unary(op: UnaryOp, arg: Value, arg_type: &DataType) -> Result<Value, Arr
             let arg = arg.cast(&target)?;
             arg.map(|a| {
                 let negated = numeric::neg_wrapping(a)?;
-                let negative = cmp::lt(a, &Scalar::new(compute::cast(&Int64Array::from(vec![0]), &target)?))?;
+                let negative = cmp::lt(
+                    a,
+                    &Scalar::new(compute::cast(&Int64Array::from(vec![0]), &target)?),
+                )?;
                 zip::zip(&negative, &negated, a)
             })
         }
@@ -367,7 +392,10 @@ mod tests {
             fill: arc(lit(9.0)),
         };
         let out = evaluate(&filled, &batch()).unwrap();
-        assert_eq!(out.as_primitive::<Float64Type>().values(), &[1.0, 9.0, -4.0]);
+        assert_eq!(
+            out.as_primitive::<Float64Type>().values(),
+            &[1.0, 9.0, -4.0]
+        );
 
         let e = Expr::IfElse {
             condition: arc(Expr::Binary {

@@ -73,12 +73,19 @@ pub fn filter(batch: &RecordBatch, predicate: &Expr) -> Result<RecordBatch, OpEr
 }
 
 /// Adds or replaces columns, every expression evaluated against the input batch.
-pub fn with_columns(batch: &RecordBatch, columns: &[(String, &Expr)]) -> Result<RecordBatch, OpError> {
+pub fn with_columns(
+    batch: &RecordBatch,
+    columns: &[(String, &Expr)],
+) -> Result<RecordBatch, OpError> {
     let mut fields: Vec<Arc<Field>> = batch.schema().fields().iter().cloned().collect();
     let mut arrays: Vec<ArrayRef> = batch.columns().to_vec();
     for (name, expr) in columns {
         let array = eval::evaluate(expr, batch)?;
-        let field = Arc::new(Field::new(name, array.data_type().clone(), array.null_count() > 0));
+        let field = Arc::new(Field::new(
+            name,
+            array.data_type().clone(),
+            array.null_count() > 0,
+        ));
         match fields.iter().position(|f| f.name() == name) {
             Some(i) => {
                 fields[i] = field;
@@ -154,7 +161,9 @@ fn describe(schema: &Schema) -> String {
 pub fn slice(batch: &RecordBatch, offset: u64, length: u64) -> RecordBatch {
     let rows = batch.num_rows();
     let offset = usize::try_from(offset).unwrap_or(usize::MAX).min(rows);
-    let length = usize::try_from(length).unwrap_or(usize::MAX).min(rows - offset);
+    let length = usize::try_from(length)
+        .unwrap_or(usize::MAX)
+        .min(rows - offset);
     batch.slice(offset, length)
 }
 
@@ -178,7 +187,11 @@ pub struct Aggregate {
 
 /// Hash group-by: one row per distinct combination of `keys` (nulls form their own group), the
 /// key columns first, then one column per aggregate. Groups appear in order of first occurrence.
-pub fn group_by(batch: &RecordBatch, keys: &[String], aggregates: &[Aggregate]) -> Result<RecordBatch, OpError> {
+pub fn group_by(
+    batch: &RecordBatch,
+    keys: &[String],
+    aggregates: &[Aggregate],
+) -> Result<RecordBatch, OpError> {
     const OP: &str = "group-by";
     if keys.is_empty() {
         return Err(OpError::Invalid {
@@ -190,12 +203,18 @@ pub fn group_by(batch: &RecordBatch, keys: &[String], aggregates: &[Aggregate]) 
         .iter()
         .map(|k| column_index(batch, OP, k))
         .collect::<Result<Vec<_>, _>>()?;
-    let key_arrays: Vec<ArrayRef> = key_indices.iter().map(|&i| batch.column(i).clone()).collect();
+    let key_arrays: Vec<ArrayRef> = key_indices
+        .iter()
+        .map(|&i| batch.column(i).clone())
+        .collect();
     let (group_of_row, first_rows) = assign_groups(&key_arrays).map_err(arrow_err(OP))?;
     let groups = first_rows.len();
 
     let schema = batch.schema();
-    let mut fields: Vec<Field> = key_indices.iter().map(|&i| schema.field(i).clone()).collect();
+    let mut fields: Vec<Field> = key_indices
+        .iter()
+        .map(|&i| schema.field(i).clone())
+        .collect();
     let first_rows = UInt32Array::from(first_rows);
     let mut columns: Vec<ArrayRef> = key_arrays
         .iter()
@@ -205,13 +224,20 @@ pub fn group_by(batch: &RecordBatch, keys: &[String], aggregates: &[Aggregate]) 
 
     for aggregate in aggregates {
         let values = batch.column(column_index(batch, OP, &aggregate.column)?);
-        let result = aggregate_column(values, &group_of_row, groups, aggregate.function).map_err(|detail| {
-            OpError::Invalid {
+        let result = aggregate_column(values, &group_of_row, groups, aggregate.function).map_err(
+            |detail| OpError::Invalid {
                 operator: OP,
-                detail: format!("{:?} of column `{}`: {detail}", aggregate.function, aggregate.column),
-            }
-        })?;
-        fields.push(Field::new(&aggregate.alias, result.data_type().clone(), result.null_count() > 0));
+                detail: format!(
+                    "{:?} of column `{}`: {detail}",
+                    aggregate.function, aggregate.column
+                ),
+            },
+        )?;
+        fields.push(Field::new(
+            &aggregate.alias,
+            result.data_type().clone(),
+            result.null_count() > 0,
+        ));
         columns.push(result);
     }
     RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).map_err(arrow_err(OP))
@@ -219,7 +245,10 @@ pub fn group_by(batch: &RecordBatch, keys: &[String], aggregates: &[Aggregate]) 
 
 /// Maps each row to a dense group id; returns the ids and the first row of every group.
 fn assign_groups(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), arrow::error::ArrowError> {
-    let fields = keys.iter().map(|a| SortField::new(a.data_type().clone())).collect();
+    let fields = keys
+        .iter()
+        .map(|a| SortField::new(a.data_type().clone()))
+        .collect();
     let converter = RowConverter::new(fields)?;
     let rows = converter.convert_columns(keys)?;
     let mut ids: HashMap<&[u8], u32> = HashMap::new();
@@ -254,15 +283,20 @@ fn aggregate_column(
             Ok(Arc::new(Int64Array::from(counts)))
         }
         AggregateFn::CountDistinct => {
-            let converter = RowConverter::new(vec![SortField::new(data_type.clone())]).map_err(|e| e.to_string())?;
-            let rows = converter.convert_columns(&[values.clone()]).map_err(|e| e.to_string())?;
+            let converter = RowConverter::new(vec![SortField::new(data_type.clone())])
+                .map_err(|e| e.to_string())?;
+            let rows = converter
+                .convert_columns(std::slice::from_ref(values))
+                .map_err(|e| e.to_string())?;
             let mut seen: Vec<HashSet<&[u8]>> = vec![HashSet::new(); groups];
             for (row, &g) in group_of_row.iter().enumerate() {
                 if values.is_valid(row) {
                     seen[g as usize].insert(rows.row(row).data());
                 }
             }
-            Ok(Arc::new(Int64Array::from_iter_values(seen.iter().map(|s| s.len() as i64))))
+            Ok(Arc::new(Int64Array::from_iter_values(
+                seen.iter().map(|s| s.len() as i64),
+            )))
         }
         AggregateFn::Mean => {
             let values = compute::cast(values, &DataType::Float64).map_err(|e| e.to_string())?;
@@ -276,7 +310,9 @@ fn aggregate_column(
                 }
             }
             Ok(Arc::new(Float64Array::from_iter(
-                sums.iter().zip(&counts).map(|(s, &c)| (c > 0).then(|| s / c as f64)),
+                sums.iter()
+                    .zip(&counts)
+                    .map(|(s, &c)| (c > 0).then(|| s / c as f64)),
             )))
         }
         AggregateFn::Sum | AggregateFn::Min | AggregateFn::Max => {
@@ -285,30 +321,35 @@ fn aggregate_column(
             }
             let fold = |acc: Option<f64>, v: f64| -> f64 { fold_f64(function, acc, v) };
             if data_type.is_floating() {
-                let values = compute::cast(values, &DataType::Float64).map_err(|e| e.to_string())?;
+                let values =
+                    compute::cast(values, &DataType::Float64).map_err(|e| e.to_string())?;
                 let out = reduce::<Float64Type>(values.as_primitive(), group_of_row, groups, fold);
                 finish(function, Arc::new(out), data_type)
             } else if data_type.is_unsigned_integer() {
                 let values = compute::cast(values, &DataType::UInt64).map_err(|e| e.to_string())?;
-                let out = reduce::<UInt64Type>(values.as_primitive(), group_of_row, groups, |acc, v| {
-                    match (function, acc) {
-                        (_, None) => v,
-                        (AggregateFn::Sum, Some(a)) => a.wrapping_add(v),
-                        (AggregateFn::Min, Some(a)) => a.min(v),
-                        (_, Some(a)) => a.max(v),
-                    }
-                });
+                let out =
+                    reduce::<UInt64Type>(values.as_primitive(), group_of_row, groups, |acc, v| {
+                        match (function, acc) {
+                            (_, None) => v,
+                            (AggregateFn::Sum, Some(a)) => a.wrapping_add(v),
+                            (AggregateFn::Min, Some(a)) => a.min(v),
+                            (_, Some(a)) => a.max(v),
+                        }
+                    });
                 finish(function, Arc::new(out), data_type)
             } else {
                 let values = compute::cast(values, &DataType::Int64).map_err(|e| e.to_string())?;
-                let out = reduce::<Int64Type>(values.as_primitive(), group_of_row, groups, |acc, v| {
-                    match (function, acc) {
+                let out = reduce::<Int64Type>(
+                    values.as_primitive(),
+                    group_of_row,
+                    groups,
+                    |acc, v| match (function, acc) {
                         (_, None) => v,
                         (AggregateFn::Sum, Some(a)) => a.wrapping_add(v),
                         (AggregateFn::Min, Some(a)) => a.min(v),
                         (_, Some(a)) => a.max(v),
-                    }
-                });
+                    },
+                );
                 finish(function, Arc::new(out), data_type)
             }
         }
@@ -344,7 +385,9 @@ fn reduce<T: ArrowPrimitiveType>(
 /// Min and max keep the input's type; sums stay 64-bit.
 fn finish(function: AggregateFn, out: ArrayRef, input: &DataType) -> Result<ArrayRef, String> {
     match function {
-        AggregateFn::Min | AggregateFn::Max => compute::cast(&out, input).map_err(|e| e.to_string()),
+        AggregateFn::Min | AggregateFn::Max => {
+            compute::cast(&out, input).map_err(|e| e.to_string())
+        }
         _ => Ok(out),
     }
 }
@@ -363,8 +406,20 @@ mod tests {
         RecordBatch::try_new(
             Arc::new(schema),
             vec![
-                Arc::new(StringArray::from(vec![Some("a"), Some("b"), Some("a"), None, Some("b")])),
-                Arc::new(Int32Array::from(vec![Some(1), Some(2), Some(3), Some(4), None])),
+                Arc::new(StringArray::from(vec![
+                    Some("a"),
+                    Some("b"),
+                    Some("a"),
+                    None,
+                    Some("b"),
+                ])),
+                Arc::new(Int32Array::from(vec![
+                    Some(1),
+                    Some(2),
+                    Some(3),
+                    Some(4),
+                    None,
+                ])),
                 Arc::new(Float64Array::from(vec![1.0, 2.0, 3.0, 4.0, 2.0])),
             ],
         )
@@ -411,8 +466,13 @@ mod tests {
 
     #[test]
     fn unknown_key_is_named() {
-        let err = group_by(&batch(), &["kk".into()], &[]).unwrap_err().to_string();
-        assert!(err.contains("`kk`") && err.contains("group-by") && err.contains("k, n, x"), "{err}");
+        let err = group_by(&batch(), &["kk".into()], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`kk`") && err.contains("group-by") && err.contains("k, n, x"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -6,7 +6,10 @@ use arrow::array::{
     Array, ArrayRef, AsArray, BooleanArray, Float64Array, Int64Array, StringArray, UInt64Array,
 };
 use arrow::buffer::NullBuffer;
-use arrow::datatypes::{DataType as ArrowType, Field as ArrowField, Float64Type, Int64Type, Schema, TimeUnit, UInt64Type};
+use arrow::datatypes::{
+    DataType as ArrowType, Field as ArrowField, Float64Type, Int64Type, Schema, TimeUnit,
+    UInt64Type,
+};
 use arrow::record_batch::RecordBatch;
 use wasmtime::component::Resource;
 
@@ -132,12 +135,20 @@ impl HostExpr for TaskState {
         self.push_expr(Expr::Binary { op, lhs, rhs })
     }
 
-    fn unary(&mut self, op: UnaryOp, arg: Resource<ExprHandle>) -> wasmtime::Result<Resource<ExprHandle>> {
+    fn unary(
+        &mut self,
+        op: UnaryOp,
+        arg: Resource<ExprHandle>,
+    ) -> wasmtime::Result<Resource<ExprHandle>> {
         let arg = self.expr(&arg)?;
         self.push_expr(Expr::Unary { op, arg })
     }
 
-    fn cast(&mut self, arg: Resource<ExprHandle>, to: DataType) -> wasmtime::Result<Resource<ExprHandle>> {
+    fn cast(
+        &mut self,
+        arg: Resource<ExprHandle>,
+        to: DataType,
+    ) -> wasmtime::Result<Resource<ExprHandle>> {
         let arg = self.expr(&arg)?;
         self.push_expr(Expr::Cast {
             arg,
@@ -187,12 +198,34 @@ fn to_values(array: &ArrayRef) -> Result<ColumnValues, String> {
         .map(|nulls| nulls.iter().collect::<Vec<bool>>());
     let cast = |to: &ArrowType| arrow::compute::cast(array, to).map_err(|e| e.to_string());
     let values = match array.data_type() {
-        ArrowType::Boolean => Values::Boolean(array.as_boolean().iter().map(|v| v.unwrap_or(false)).collect()),
-        t if t.is_unsigned_integer() => Values::Uint64(cast(&ArrowType::UInt64)?.as_primitive::<UInt64Type>().values().to_vec()),
-        t if t.is_integer() => Values::Int64(cast(&ArrowType::Int64)?.as_primitive::<Int64Type>().values().to_vec()),
-        t if t.is_floating() => Values::Float64(cast(&ArrowType::Float64)?.as_primitive::<Float64Type>().values().to_vec()),
+        ArrowType::Boolean => Values::Boolean(
+            array
+                .as_boolean()
+                .iter()
+                .map(|v| v.unwrap_or(false))
+                .collect(),
+        ),
+        t if t.is_unsigned_integer() => Values::Uint64(
+            cast(&ArrowType::UInt64)?
+                .as_primitive::<UInt64Type>()
+                .values()
+                .to_vec(),
+        ),
+        t if t.is_integer() => Values::Int64(
+            cast(&ArrowType::Int64)?
+                .as_primitive::<Int64Type>()
+                .values()
+                .to_vec(),
+        ),
+        t if t.is_floating() => Values::Float64(
+            cast(&ArrowType::Float64)?
+                .as_primitive::<Float64Type>()
+                .values()
+                .to_vec(),
+        ),
         ArrowType::Date32 | ArrowType::Date64 | ArrowType::Timestamp(_, _) => {
-            let ints = arrow::compute::cast(&cast(&ArrowType::Int64)?, &ArrowType::Int64).map_err(|e| e.to_string())?;
+            let ints = arrow::compute::cast(&cast(&ArrowType::Int64)?, &ArrowType::Int64)
+                .map_err(|e| e.to_string())?;
             Values::Int64(ints.as_primitive::<Int64Type>().values().to_vec())
         }
         _ => {
@@ -281,7 +314,10 @@ impl HostColumn for TaskState {
         Ok(self.table.get(&self_)?.array.null_count() as u64)
     }
 
-    fn to_values(&mut self, self_: Resource<Column>) -> wasmtime::Result<Result<ColumnValues, Error>> {
+    fn to_values(
+        &mut self,
+        self_: Resource<Column>,
+    ) -> wasmtime::Result<Result<ColumnValues, Error>> {
         let column = self.table.get(&self_)?;
         match to_values(&column.array) {
             Ok(values) => {
@@ -295,7 +331,11 @@ impl HostColumn for TaskState {
         }
     }
 
-    fn from_values(&mut self, name: String, values: ColumnValues) -> wasmtime::Result<Result<Resource<Column>, Error>> {
+    fn from_values(
+        &mut self,
+        name: String,
+        values: ColumnValues,
+    ) -> wasmtime::Result<Result<Resource<Column>, Error>> {
         self.copies.out_of_guest_bytes += values_bytes(&values);
         match from_values(&name, values) {
             Ok(array) => Ok(Ok(self.table.push(Column::new(name, array))?)),
@@ -303,7 +343,11 @@ impl HostColumn for TaskState {
         }
     }
 
-    fn rename(&mut self, self_: Resource<Column>, name: String) -> wasmtime::Result<Resource<Column>> {
+    fn rename(
+        &mut self,
+        self_: Resource<Column>,
+        name: String,
+    ) -> wasmtime::Result<Resource<Column>> {
         let array = self.table.get(&self_)?.array.clone();
         Ok(self.table.push(Column::new(name, array))?)
     }
@@ -326,14 +370,23 @@ fn aggregate_fn(op: AggregateOp) -> ops::AggregateFn {
 }
 
 impl HostTable for TaskState {
-    fn from_columns(&mut self, columns: Vec<Resource<Column>>) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    fn from_columns(
+        &mut self,
+        columns: Vec<Resource<Column>>,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         let columns = columns
             .iter()
             .map(|c| Ok(self.table.get(c)?.clone()))
             .collect::<wasmtime::Result<Vec<Column>>>()?;
         let fields: Vec<ArrowField> = columns
             .iter()
-            .map(|c| ArrowField::new(&c.name, c.array.data_type().clone(), c.array.null_count() > 0))
+            .map(|c| {
+                ArrowField::new(
+                    &c.name,
+                    c.array.data_type().clone(),
+                    c.array.null_count() > 0,
+                )
+            })
             .collect();
         let mut seen = std::collections::HashSet::new();
         if let Some(dup) = columns.iter().find(|c| !seen.insert(c.name.as_str())) {
@@ -348,7 +401,10 @@ impl HostTable for TaskState {
         self.table_result(result)
     }
 
-    fn concat(&mut self, tables: Vec<Resource<Table>>) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    fn concat(
+        &mut self,
+        tables: Vec<Resource<Table>>,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         let tables = tables
             .iter()
             .map(|t| self.host_table(t))
@@ -360,8 +416,12 @@ impl HostTable for TaskState {
 
     fn from_ipc(&mut self, bytes: Vec<u8>) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         self.copies.out_of_guest_bytes += bytes.len() as u64;
-        let result = decode_ipc(&bytes)
-            .map_err(|e| error(ErrorCode::InvalidArgument, format!("from-ipc: not a valid Arrow IPC stream: {e}")));
+        let result = decode_ipc(&bytes).map_err(|e| {
+            error(
+                ErrorCode::InvalidArgument,
+                format!("from-ipc: not a valid Arrow IPC stream: {e}"),
+            )
+        });
         self.table_result(result)
     }
 
@@ -383,7 +443,11 @@ impl HostTable for TaskState {
         Ok(self.host_table(&self_)?.num_rows() as u64)
     }
 
-    fn column(&mut self, self_: Resource<Table>, name: String) -> wasmtime::Result<Result<Resource<Column>, Error>> {
+    fn column(
+        &mut self,
+        self_: Resource<Table>,
+        name: String,
+    ) -> wasmtime::Result<Result<Resource<Column>, Error>> {
         let table = self.host_table(&self_)?;
         match table.batch().column_by_name(&name) {
             Some(array) => Ok(Ok(self.table.push(Column::new(name, array.clone()))?)),
@@ -397,12 +461,20 @@ impl HostTable for TaskState {
         }
     }
 
-    fn select(&mut self, self_: Resource<Table>, columns: Vec<String>) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    fn select(
+        &mut self,
+        self_: Resource<Table>,
+        columns: Vec<String>,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         let table = self.host_table(&self_)?;
         self.table_result(ops::select(table.batch(), &columns).map_err(op_error))
     }
 
-    fn filter(&mut self, self_: Resource<Table>, predicate: Resource<ExprHandle>) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    fn filter(
+        &mut self,
+        self_: Resource<Table>,
+        predicate: Resource<ExprHandle>,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         let table = self.host_table(&self_)?;
         let predicate = self.expr(&predicate)?;
         self.table_result(ops::filter(table.batch(), &predicate).map_err(op_error))
@@ -417,7 +489,11 @@ impl HostTable for TaskState {
         if names.len() != values.len() {
             return Ok(Err(error(
                 ErrorCode::InvalidArgument,
-                format!("with-columns: {} names for {} expressions", names.len(), values.len()),
+                format!(
+                    "with-columns: {} names for {} expressions",
+                    names.len(),
+                    values.len()
+                ),
             )));
         }
         let table = self.host_table(&self_)?;
@@ -425,11 +501,18 @@ impl HostTable for TaskState {
             .iter()
             .map(|v| self.expr(v))
             .collect::<wasmtime::Result<Vec<_>>>()?;
-        let pairs: Vec<(String, &Expr)> = names.into_iter().zip(exprs.iter().map(|e| e.as_ref())).collect();
+        let pairs: Vec<(String, &Expr)> = names
+            .into_iter()
+            .zip(exprs.iter().map(|e| e.as_ref()))
+            .collect();
         self.table_result(ops::with_columns(table.batch(), &pairs).map_err(op_error))
     }
 
-    fn evaluate(&mut self, self_: Resource<Table>, value: Resource<ExprHandle>) -> wasmtime::Result<Result<Resource<Column>, Error>> {
+    fn evaluate(
+        &mut self,
+        self_: Resource<Table>,
+        value: Resource<ExprHandle>,
+    ) -> wasmtime::Result<Result<Resource<Column>, Error>> {
         let table = self.host_table(&self_)?;
         let expr = self.expr(&value)?;
         match eval::evaluate(&expr, table.batch()) {
@@ -456,9 +539,16 @@ impl HostTable for TaskState {
         self.table_result(ops::group_by(table.batch(), &keys, &aggregates).map_err(op_error))
     }
 
-    fn slice(&mut self, self_: Resource<Table>, offset: u64, length: u64) -> wasmtime::Result<Resource<Table>> {
+    fn slice(
+        &mut self,
+        self_: Resource<Table>,
+        offset: u64,
+        length: u64,
+    ) -> wasmtime::Result<Resource<Table>> {
         let table = self.host_table(&self_)?;
-        Ok(self.table.push(Table::new(ops::slice(table.batch(), offset, length)))?)
+        Ok(self
+            .table
+            .push(Table::new(ops::slice(table.batch(), offset, length)))?)
     }
 
     fn to_ipc(&mut self, self_: Resource<Table>) -> wasmtime::Result<Result<Vec<u8>, Error>> {
@@ -505,13 +595,22 @@ mod tests {
             validity: Some(vec![true]),
         };
         let err = from_values("ids", values).unwrap_err();
-        assert!(err.message.contains("column `ids`: 1 validity entries for 2 values"), "{}", err.message);
+        assert!(
+            err.message
+                .contains("column `ids`: 1 validity entries for 2 values"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
     fn ipc_round_trip() {
         let batch = RecordBatch::try_new(
-            Arc::new(Schema::new(vec![ArrowField::new("s", ArrowType::Utf8, false)])),
+            Arc::new(Schema::new(vec![ArrowField::new(
+                "s",
+                ArrowType::Utf8,
+                false,
+            )])),
             vec![Arc::new(StringArray::from(vec!["a", "bc"]))],
         )
         .unwrap();

@@ -18,7 +18,11 @@ fn granted<'a>(
             ErrorCode::Io,
             format!(
                 "{kind} `{name}` is not granted to this job (granted {kind}s: {})",
-                if names.is_empty() { "none".to_string() } else { names.join(", ") }
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
             ),
         )
     })
@@ -109,7 +113,11 @@ mod tests {
         let mut grants = std::collections::BTreeMap::new();
         grants.insert("trips".to_string(), "/data".to_string());
         let err = granted(&grants, "source", "secrets").unwrap_err();
-        assert!(err.message.contains("`secrets` is not granted"), "{}", err.message);
+        assert!(
+            err.message.contains("`secrets` is not granted"),
+            "{}",
+            err.message
+        );
         assert!(err.message.contains("trips"), "{}", err.message);
     }
 }

@@ -16,12 +16,20 @@ pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
 impl std::fmt::Display for TaskId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}/{}#{}", self.job_id, self.stage, self.index, self.attempt)
+        write!(
+            f,
+            "{}/{}/{}#{}",
+            self.job_id, self.stage, self.index, self.attempt
+        )
     }
 }
 
 impl std::fmt::Display for PartitionKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}/{}/{}", self.job_id, self.stage, self.task, self.output)
+        write!(
+            f,
+            "{}/{}/{}/{}",
+            self.job_id, self.stage, self.task, self.output
+        )
     }
 }

@@ -15,11 +15,17 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 /// `target/` of the running test binary (`target/debug/deps/<test>`).
 fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    exe.ancestors().nth(3).expect("target directory").to_path_buf()
+    exe.ancestors()
+        .nth(3)
+        .expect("target directory")
+        .to_path_buf()
 }
 
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
 }
 
 fn cargo() -> Command {
@@ -32,7 +38,13 @@ fn cargo() -> Command {
     command
 }
 
-const GUESTS: [&str; 5] = ["taxi-haversine", "noop", "test-guest-trap", "test-guest-spin", "test-guest-hog"];
+const GUESTS: [&str; 5] = [
+    "taxi-haversine",
+    "noop",
+    "test-guest-trap",
+    "test-guest-spin",
+    "test-guest-hog",
+];
 
 /// The path of a guest component, building every test guest once.
 pub fn guest(crate_name: &str) -> PathBuf {
@@ -102,13 +114,20 @@ pub fn taxi_reference(dir: &Path) -> Summary {
     files.sort();
     let mut sums: BTreeMap<i32, (i64, f64)> = BTreeMap::new();
     for file in files {
-        let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&file).expect("open"))
-            .expect("parquet")
-            .build()
-            .expect("reader");
+        let reader =
+            ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&file).expect("open"))
+                .expect("parquet")
+                .build()
+                .expect("reader");
         for batch in reader {
             let batch = batch.expect("batch");
-            let f = |name: &str| batch.column_by_name(name).expect(name).as_primitive::<Float64Type>().clone();
+            let f = |name: &str| {
+                batch
+                    .column_by_name(name)
+                    .expect(name)
+                    .as_primitive::<Float64Type>()
+                    .clone()
+            };
             let (lon1, lat1, lon2, lat2) = (
                 f("pickup_longitude"),
                 f("pickup_latitude"),
@@ -121,7 +140,12 @@ pub fn taxi_reference(dir: &Path) -> Summary {
                 .as_primitive::<Int32Type>()
                 .clone();
             for row in 0..batch.num_rows() {
-                let d = haversine_km(lon1.value(row), lat1.value(row), lon2.value(row), lat2.value(row));
+                let d = haversine_km(
+                    lon1.value(row),
+                    lat1.value(row),
+                    lon2.value(row),
+                    lat2.value(row),
+                );
                 let entry = sums.entry(passengers.value(row)).or_default();
                 entry.0 += 1;
                 entry.1 += d;
@@ -135,14 +159,20 @@ pub fn taxi_reference(dir: &Path) -> Summary {
 
 /// Reads the taxi job's result file.
 pub fn read_summary(path: &Path) -> Summary {
-    let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(path).expect("open result"))
-        .expect("result is Parquet")
-        .build()
-        .expect("reader");
+    let reader =
+        ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(path).expect("open result"))
+            .expect("result is Parquet")
+            .build()
+            .expect("reader");
     let mut out = Summary::new();
     for batch in reader {
         let batch = batch.expect("batch");
-        let names: Vec<&str> = batch.schema_ref().fields().iter().map(|f| f.name().as_str()).collect();
+        let names: Vec<&str> = batch
+            .schema_ref()
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect();
         assert_eq!(names, ["passenger_count", "trips", "total_km", "mean_km"]);
         let keys = batch.column(0).as_primitive::<Int32Type>();
         let trips = batch.column(1).as_primitive::<Int64Type>();
@@ -150,8 +180,15 @@ pub fn read_summary(path: &Path) -> Summary {
         let mean = batch.column(3).as_primitive::<Float64Type>();
         assert_eq!(keys.null_count(), 0);
         for row in 0..batch.num_rows() {
-            let previous = out.insert(keys.value(row), (trips.value(row), total.value(row), mean.value(row)));
-            assert!(previous.is_none(), "passenger_count {} appears twice", keys.value(row));
+            let previous = out.insert(
+                keys.value(row),
+                (trips.value(row), total.value(row), mean.value(row)),
+            );
+            assert!(
+                previous.is_none(),
+                "passenger_count {} appears twice",
+                keys.value(row)
+            );
         }
     }
     out
@@ -159,7 +196,10 @@ pub fn read_summary(path: &Path) -> Summary {
 
 pub fn assert_close(what: &str, actual: f64, expected: f64) {
     let relative = (actual - expected).abs() / expected.abs().max(f64::MIN_POSITIVE);
-    assert!(relative <= 1e-9, "{what}: {actual} vs reference {expected} (relative error {relative:e})");
+    assert!(
+        relative <= 1e-9,
+        "{what}: {actual} vs reference {expected} (relative error {relative:e})"
+    );
 }
 
 pub fn assert_summaries_match(actual: &Summary, expected: &Summary) {
@@ -171,7 +211,11 @@ pub fn assert_summaries_match(actual: &Summary, expected: &Summary) {
     for (key, (trips, total, mean)) in expected {
         let (a_trips, a_total, a_mean) = actual[key];
         assert_eq!(a_trips, *trips, "trips for passenger_count {key}");
-        assert_close(&format!("total_km for passenger_count {key}"), a_total, *total);
+        assert_close(
+            &format!("total_km for passenger_count {key}"),
+            a_total,
+            *total,
+        );
         assert_close(&format!("mean_km for passenger_count {key}"), a_mean, *mean);
     }
 }
