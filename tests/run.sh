@@ -9,4 +9,5 @@ rustup target add wasm32-wasip2 >/dev/null
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --exclude taxi-haversine --exclude noop \
-    --exclude test-guest-trap --exclude test-guest-spin --exclude test-guest-hog
+    --exclude test-guest-trap --exclude test-guest-spin --exclude test-guest-hog \
+    --exclude test-guest-slow

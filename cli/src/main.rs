@@ -89,7 +89,7 @@ struct ClusterArgs {
     /// Tasks each worker runs at once.
     #[arg(long, default_value_t = 2)]
     slots: u32,
-    /// Where compiled components are cached.
+    /// Where compiled components are cached (default: $WRK_CACHE_DIR or ~/.cache/wrk/components).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
 }
@@ -137,6 +137,7 @@ struct WorkerArgs {
     id: Option<String>,
     #[arg(long, default_value_t = 2)]
     slots: u32,
+    /// Where compiled components are cached (default: $WRK_CACHE_DIR or ~/.cache/wrk/components).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
     /// Default linear-memory cap of one task, in MiB.
@@ -235,7 +236,7 @@ async fn main() -> Result<()> {
                 worker_id: args.id,
                 slots: args.slots,
                 engine: EngineConfig {
-                    cache_dir: args.cache_dir,
+                    cache_dir: args.cache_dir.or_else(wrk_host::engine::default_cache_dir),
                     max_concurrent_tasks: args.slots,
                     default_task_memory: args.task_memory_mib << 20,
                     default_task_timeout: Duration::from_secs_f64(args.task_timeout_secs.max(0.01)),
@@ -301,7 +302,10 @@ async fn submit(args: SubmitArgs) -> Result<()> {
                 workers,
                 slots_per_worker: args.cluster.slots,
                 listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-                cache_dir: args.cluster.cache_dir,
+                cache_dir: args
+                    .cluster
+                    .cache_dir
+                    .or_else(wrk_host::engine::default_cache_dir),
             })
             .await?;
             cluster
@@ -342,7 +346,9 @@ async fn up(cluster: ClusterArgs, listen: SocketAddr) -> Result<()> {
         workers,
         slots_per_worker: cluster.slots,
         listen,
-        cache_dir: cluster.cache_dir,
+        cache_dir: cluster
+            .cache_dir
+            .or_else(wrk_host::engine::default_cache_dir),
     })
     .await?;
     local

@@ -165,6 +165,18 @@ pub struct TaskEngine {
     _ticker: EpochTicker,
 }
 
+/// Where compiled components are cached by default: `$WRK_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/wrk/components`, else `$HOME/.cache/wrk/components`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("WRK_CACHE_DIR") {
+        return Some(PathBuf::from(dir));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))?;
+    Some(base.join("wrk").join("components"))
+}
+
 /// Lower-case hex SHA-256 of a module's bytes: its identity everywhere in `wrk`.
 pub fn module_hash(wasm: &[u8]) -> String {
     hex::encode(Sha256::digest(wasm))
@@ -219,6 +231,11 @@ impl TaskEngine {
         &self.config
     }
 
+    /// Where this engine keeps compiled components on disk, if anywhere.
+    pub fn cache_dir(&self) -> Option<&Path> {
+        self.cache_dir.as_deref()
+    }
+
     /// The compiled component for `hash`, if this engine already has it in memory.
     pub fn cached(&self, hash: &str) -> Option<Arc<CompiledTask>> {
         self.compiled.lock().ok()?.get(hash).cloned()
@@ -271,11 +288,14 @@ impl TaskEngine {
             return Component::new(&self.engine, wasm);
         };
         let path = dir.join(format!("{hash}.cwasm"));
-        if path.exists() {
-            // SAFETY: the file was written by `precompile_component` of an engine with the same
-            // compatibility hash (it is in the directory named after it), into a cache directory
-            // owned by this worker; a damaged file fails deserialization and is rebuilt below.
-            match unsafe { Component::deserialize_file(&self.engine, &path) } {
+        // Read, not mapped: a mapped artifact that someone truncates or rewrites under a running
+        // worker (a shared cache, a cleanup) would crash the process with SIGBUS.
+        if let Ok(bytes) = std::fs::read(&path) {
+            // SAFETY: the bytes come from a file written by `serialize` of an engine with the same
+            // compatibility hash (it is in the directory named after it), in a cache directory
+            // owned by the worker; deserialization checks the header and engine settings, and a
+            // damaged file fails it and is rebuilt below.
+            match unsafe { Component::deserialize(&self.engine, &bytes) } {
                 Ok(component) => return Ok(component),
                 Err(e) => {
                     tracing::warn!(path = %path.display(), "discarding unreadable compiled component: {e:#}")
@@ -290,8 +310,14 @@ impl TaskEngine {
     }
 
     fn store_compiled(&self, path: &Path, component: &Component) -> wasmtime::Result<()> {
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let bytes = component.serialize()?;
-        let partial = path.with_extension("partial");
+        // Unique per writer: several workers may share one cache directory.
+        let partial = path.with_extension(format!(
+            "partial-{}-{}",
+            std::process::id(),
+            WRITES.fetch_add(1, Ordering::Relaxed)
+        ));
         std::fs::write(&partial, bytes).map_err(wasmtime::Error::new)?;
         std::fs::rename(&partial, path).map_err(wasmtime::Error::new)?;
         Ok(())

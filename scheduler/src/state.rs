@@ -168,6 +168,18 @@ impl Job {
         )
     }
 
+    /// Whether a finished task's outputs are still needed: they are a final result, or an
+    /// unfinished task reads them.
+    fn is_needed(&self, stage: u32, index: u32) -> bool {
+        let consumers = &self.consumers[stage as usize];
+        consumers.is_empty()
+            || consumers.iter().any(|&(consumer, pattern)| match pattern {
+                Pattern::OneToOne => !self.is_done(consumer, index),
+                Pattern::All => (0..self.spec.stages[consumer as usize].num_tasks)
+                    .any(|i| !self.is_done(consumer, i)),
+            })
+    }
+
     /// Final stages: those no other stage consumes.
     fn final_stages(&self) -> Vec<u32> {
         (0..self.spec.stages.len() as u32)
@@ -560,8 +572,15 @@ impl State {
         if failed.retriable && entry.attempts < MAX_ATTEMPTS {
             tracing::warn!(job = %job.id, stage = %stage_name, task = task.index, "retrying after: {}", failed.error);
             entry.status = TaskStatus::Ready;
-            job.recount();
-            self.ready.push_back(task);
+            // Its inputs may be gone with a lost peer: recount puts it (and anything else
+            // affected) back to waiting until they are recomputed.
+            for (stage, index) in job.recount() {
+                self.ready.push_back(TaskRef {
+                    job: task.job,
+                    stage,
+                    index,
+                });
+            }
             job.publish();
             return self.dispatch();
         }
@@ -653,32 +672,48 @@ impl State {
         let Some(worker) = self.workers.remove(worker_id) else {
             return Vec::new();
         };
-        if worker.running.is_empty() && reason == WORKER_LEFT {
-            tracing::info!(worker = %worker_id, address = %worker.address, "worker left");
-        } else {
-            tracing::warn!(worker = %worker_id, address = %worker.address, "worker lost: {reason}");
-        }
-        for job in self.jobs.values_mut() {
+        let mut rerun = 0usize;
+        let mut recompute = 0usize;
+        let workers = &self.workers;
+        for (&number, job) in self.jobs.iter_mut() {
             if is_terminal(job.state) {
                 continue;
             }
             let mut touched = false;
             for tasks in job.tasks.iter_mut() {
                 for entry in tasks.iter_mut() {
-                    let on_lost = match &entry.status {
-                        TaskStatus::Running { worker } | TaskStatus::Done { worker, .. } => {
-                            worker == worker_id
-                        }
-                        _ => false,
-                    };
-                    if on_lost {
+                    if matches!(&entry.status, TaskStatus::Running { worker } if worker == worker_id)
+                    {
                         entry.status = TaskStatus::Ready;
+                        rerun += 1;
                         touched = true;
                     }
                 }
             }
+            // Recompute lost outputs that are still needed; recomputing one can make the lost
+            // inputs it reads needed again, so repeat until nothing changes.
+            loop {
+                let lost_and_needed: Vec<(u32, u32)> = job
+                    .tasks
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(s, tasks)| tasks.iter().enumerate().map(move |(i, t)| (s as u32, i as u32, t)))
+                    .filter(|(s, i, t)| {
+                        matches!(&t.status, TaskStatus::Done { worker, .. } if !workers.contains_key(worker))
+                            && job.is_needed(*s, *i)
+                    })
+                    .map(|(s, i, _)| (s, i))
+                    .collect();
+                if lost_and_needed.is_empty() {
+                    break;
+                }
+                for (s, i) in lost_and_needed {
+                    job.tasks[s as usize][i as usize].status = TaskStatus::Ready;
+                    recompute += 1;
+                }
+                touched = true;
+            }
             if touched {
-                let number = *self.job_ids.get(&job.id).unwrap_or(&0);
                 for (stage, index) in job.recount() {
                     self.ready.push_back(TaskRef {
                         job: number,
@@ -688,6 +723,15 @@ impl State {
                 }
                 job.publish();
             }
+        }
+        if rerun == 0 && recompute == 0 && reason == WORKER_LEFT {
+            tracing::info!(worker = %worker_id, address = %worker.address, "worker left");
+        } else {
+            tracing::warn!(
+                worker = %worker_id,
+                address = %worker.address,
+                "worker lost ({reason}): {rerun} running tasks to rerun, {recompute} finished tasks to recompute"
+            );
         }
         self.dispatch()
     }
@@ -990,6 +1034,91 @@ mod tests {
         ));
         state.task_done("b", done(&reduce, 1));
         assert_eq!(job_state(&state, &id), JobState::Succeeded);
+    }
+
+    /// read (1) -> map (1, one-to-one) -> reduce (1, all).
+    fn chain() -> JobSpec {
+        let mut spec = map_reduce(1);
+        spec.stages[0].name = "read".into();
+        spec.stages[1].name = "map".into();
+        spec.stages[1].inputs[0].pattern = Pattern::OneToOne as i32;
+        let mut reduce = spec.stages[1].clone();
+        reduce.name = "reduce".into();
+        reduce.inputs = vec![StageInput {
+            stage: 1,
+            pattern: Pattern::All as i32,
+        }];
+        spec.stages.push(reduce);
+        spec
+    }
+
+    #[test]
+    fn only_lost_outputs_still_needed_are_recomputed_even_across_losses() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let (id, _) = state.submit(chain());
+        let read = assigned(&state.dispatch()).remove(0);
+        let map = assigned(&state.task_done("a", done(&read, 5))).remove(0);
+        assert_eq!(map.stage_name, "map");
+        // `b` joins, `a` finishes the map and dies: `read` is lost but no longer needed, the
+        // map's output is needed by the reduce.
+        let _b = add_worker(&mut state, "b", 1);
+        let reduce = assigned(&state.task_done("a", done(&map, 5))).remove(0);
+        assert_eq!(reduce.stage_name, "reduce");
+        let reduce_worker = worker_of(&state, &reduce);
+        assert_eq!(reduce_worker, "a", "the reduce runs where its input is");
+        let out = state.worker_lost("a", "test");
+        // The reduce (running on a) must rerun; its input (map, on a) must be recomputed, and so
+        // must the map's own lost input (read), which became needed again.
+        let next = assigned(&out);
+        assert_eq!(next.len(), 1);
+        assert_eq!(
+            next[0].stage_name, "read",
+            "recomputation starts from the first lost output"
+        );
+        let map = assigned(&state.task_done("b", done(&next[0], 5))).remove(0);
+        let reduce = assigned(&state.task_done("b", done(&map, 5))).remove(0);
+        state.task_done("b", done(&reduce, 1));
+        assert_eq!(job_state(&state, &id), JobState::Succeeded);
+    }
+
+    #[test]
+    fn lost_outputs_nobody_needs_are_not_recomputed() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let _b = add_worker(&mut state, "b", 1);
+        let (id, _) = state.submit(chain());
+        // `read` ran on a, `map` on b (which consumed read's output); the reduce is pending.
+        let number = state.job_ids[&id];
+        let job = state.jobs.get_mut(&number).unwrap();
+        let output = vec![OutputMeta { rows: 1, bytes: 5 }];
+        job.tasks[0][0].status = TaskStatus::Done {
+            worker: "a".into(),
+            outputs: output.clone(),
+        };
+        job.tasks[1][0].status = TaskStatus::Done {
+            worker: "b".into(),
+            outputs: output,
+        };
+        for (stage, index) in job.recount() {
+            state.ready.push_back(TaskRef {
+                job: number,
+                stage,
+                index,
+            });
+        }
+        let out = state.worker_lost("a", "test");
+        let job = &state.jobs[&number];
+        assert!(
+            job.is_done(0, 0),
+            "read's lost output is not needed by anyone: not recomputed"
+        );
+        let started = assigned(&out);
+        assert_eq!(started.len(), 1);
+        assert_eq!(
+            started[0].stage_name, "reduce",
+            "the reduce goes on with map's output on b"
+        );
     }
 
     #[test]

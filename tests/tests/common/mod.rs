@@ -38,12 +38,13 @@ fn cargo() -> Command {
     command
 }
 
-const GUESTS: [&str; 5] = [
+const GUESTS: [&str; 6] = [
     "taxi-haversine",
     "noop",
     "test-guest-trap",
     "test-guest-spin",
     "test-guest-hog",
+    "test-guest-slow",
 ];
 
 /// The path of a guest component, building every test guest once.

@@ -1,0 +1,192 @@
+//! Recovery from lost workers across real processes: a scheduler and three workers run a
+//! three-stage job while one worker is killed with SIGKILL, at ten different moments; every run
+//! must still give the reference answer (running tasks move, lost outputs are recomputed).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Kills its child processes when dropped, so a failing test leaves nothing running.
+struct Processes(Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Starts a scheduler; returns its URL and its log lines as they arrive.
+fn start_scheduler(processes: &mut Processes) -> (String, Arc<Mutex<Vec<String>>>) {
+    let mut scheduler = Command::new(wrk())
+        .args([
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--heartbeat-ms",
+            "100",
+            "--worker-timeout-secs",
+            "2",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start wrk scheduler");
+    let stderr = scheduler.stderr.take().expect("scheduler stderr");
+    processes.0.push(scheduler);
+    let mut lines = BufReader::new(stderr).lines();
+    let address = loop {
+        let line = lines
+            .next()
+            .expect("scheduler exited early")
+            .expect("scheduler output");
+        if let Some(address) = line.strip_prefix("wrk scheduler listening on ") {
+            break address.trim().to_string();
+        }
+    };
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            if let Ok(mut log) = sink.lock() {
+                log.push(line);
+            }
+        }
+    });
+    (format!("http://{address}"), log)
+}
+
+fn start_worker(url: &str, id: &str, cache: &Path) -> Child {
+    Command::new(wrk())
+        .args([
+            "worker",
+            "--scheduler",
+            url,
+            "--listen",
+            "127.0.0.1:0",
+            "--slots",
+            "1",
+            "--id",
+            id,
+        ])
+        .arg("--cache-dir")
+        .arg(cache)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start wrk worker")
+}
+
+fn wait_for_workers(url: &str, count: usize) {
+    let started = Instant::now();
+    loop {
+        let status = Command::new(wrk())
+            .args(["status", "--scheduler", url])
+            .output()
+            .expect("wrk status");
+        if String::from_utf8_lossy(&status.stdout).contains(&format!("workers: {count}")) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{count} workers did not register"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn killing_a_worker_mid_job_ten_times_still_gives_the_reference_answer() {
+    let data = taxi_dataset(60_000, 6, 10_000);
+    let reference = taxi_reference(data.path());
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("recovery.toml");
+    std::fs::write(
+        &job,
+        format!(
+            r#"
+name = "recovery"
+[params]
+delay_ms = "120"
+[sources.trips]
+path = "{data}"
+[[stage]]
+name = "read"
+module = "{slow}"
+source = "trips"
+columns = ["pickup_longitude", "pickup_latitude", "dropoff_longitude", "dropoff_latitude", "passenger_count"]
+[[stage]]
+name = "distance"
+module = "{taxi}"
+inputs = [{{ stage = "read", pattern = "one-to-one" }}]
+[[stage]]
+name = "summary"
+module = "{taxi}"
+inputs = ["distance"]
+"#,
+            data = data.path().display(),
+            slow = guest("test-guest-slow").display(),
+            taxi = guest("taxi-haversine").display(),
+        ),
+    )
+    .unwrap();
+
+    let cache = dir.path().join("cache");
+    let mut processes = Processes(Vec::new());
+    let (url, log) = start_scheduler(&mut processes);
+    let mut workers: Vec<Child> = (0..3)
+        .map(|i| start_worker(&url, &format!("w{i}"), &cache))
+        .collect();
+    wait_for_workers(&url, 3);
+
+    for round in 0..10u64 {
+        let result = dir.path().join(format!("summary-{round}.parquet"));
+        let submit = Command::new(wrk())
+            .arg("submit")
+            .arg(&job)
+            .args(["--scheduler", &url, "--quiet", "--output"])
+            .arg(&result)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run wrk submit");
+        // Six 120 ms reads on three single-slot workers take two waves: kill inside the job.
+        std::thread::sleep(Duration::from_millis(40 + round * 25));
+        let victim = (round % 3) as usize;
+        let mut killed = workers.remove(victim);
+        killed.kill().expect("SIGKILL a worker");
+        killed.wait().expect("reap the killed worker");
+        workers.insert(
+            victim,
+            start_worker(&url, &format!("w{victim}-{round}"), &cache),
+        );
+
+        let output = submit.wait_with_output().expect("wait for wrk submit");
+        assert!(
+            output.status.success(),
+            "round {round}: the job failed after a worker was killed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_summaries_match(&read_summary(&result), &reference);
+    }
+    processes.0.extend(workers);
+
+    // The kills landed inside jobs: work was rerun or recomputed, not merely restarted idle.
+    let log = log.lock().unwrap();
+    let costly = log
+        .iter()
+        .filter(|l| {
+            l.contains("worker lost") && !l.contains(": 0 running tasks to rerun, 0 finished")
+        })
+        .count();
+    assert!(
+        costly >= 5,
+        "only {costly} of 10 kills hit running work:\n{}",
+        log.join("\n")
+    );
+}
