@@ -73,6 +73,11 @@ struct Job {
     state: JobState,
     error: String,
     progress: watch::Sender<JobProgress>,
+    /// Per stage: tasks done and running, kept with every status change (never recounted).
+    done: Vec<u32>,
+    running: Vec<u32>,
+    /// Tasks of the job not done.
+    remaining: usize,
 }
 
 struct Worker {
@@ -116,24 +121,36 @@ impl Job {
         self.spec
             .stages
             .iter()
-            .zip(&self.tasks)
-            .map(|(stage, tasks)| {
-                let (mut done, mut running) = (0, 0);
-                for t in tasks {
-                    match t.status {
-                        TaskStatus::Done { .. } => done += 1,
-                        TaskStatus::Running { .. } => running += 1,
-                        _ => {}
-                    }
-                }
-                StageProgress {
-                    name: stage.name.clone(),
-                    total: stage.num_tasks,
-                    done,
-                    running,
-                }
+            .enumerate()
+            .map(|(s, stage)| StageProgress {
+                name: stage.name.clone(),
+                total: stage.num_tasks,
+                done: self.done[s],
+                running: self.running[s],
             })
             .collect()
+    }
+
+    /// Changes a task's status, keeping the done/running counters true.
+    fn set_status(&mut self, stage: u32, index: u32, status: TaskStatus) {
+        let (s, i) = (stage as usize, index as usize);
+        match self.tasks[s][i].status {
+            TaskStatus::Done { .. } => {
+                self.done[s] -= 1;
+                self.remaining += 1;
+            }
+            TaskStatus::Running { .. } => self.running[s] -= 1,
+            _ => {}
+        }
+        match status {
+            TaskStatus::Done { .. } => {
+                self.done[s] += 1;
+                self.remaining -= 1;
+            }
+            TaskStatus::Running { .. } => self.running[s] += 1,
+            _ => {}
+        }
+        self.tasks[s][i].status = status;
     }
 
     fn publish(&self) {
@@ -311,6 +328,8 @@ impl State {
             })
             .collect();
         let (progress, receiver) = watch::channel(JobProgress::default());
+        let stages = spec.stages.len();
+        let remaining = spec.stages.iter().map(|s| s.num_tasks as usize).sum();
         let mut job = Job {
             id: id.clone(),
             spec,
@@ -319,6 +338,9 @@ impl State {
             state: JobState::Pending,
             error: String::new(),
             progress,
+            done: vec![0; stages],
+            running: vec![0; stages],
+            remaining,
         };
         for (stage, index) in job.recount() {
             self.ready.push_back(TaskRef {
@@ -405,10 +427,14 @@ impl State {
             .unwrap_or_else(|| unreachable!("placed task of a missing job"));
         let entry = &mut job.tasks[task.stage as usize][task.index as usize];
         entry.attempts += 1;
-        entry.status = TaskStatus::Running {
-            worker: worker_id.to_string(),
-        };
         let attempt = entry.attempts;
+        job.set_status(
+            task.stage,
+            task.index,
+            TaskStatus::Running {
+                worker: worker_id.to_string(),
+            },
+        );
         if job.state == JobState::Pending {
             job.state = JobState::Running;
         }
@@ -511,10 +537,14 @@ impl State {
             .jobs
             .get_mut(&task.job)
             .unwrap_or_else(|| unreachable!());
-        job.tasks[task.stage as usize][task.index as usize].status = TaskStatus::Done {
-            worker: worker_id.to_string(),
-            outputs: done.outputs,
-        };
+        job.set_status(
+            task.stage,
+            task.index,
+            TaskStatus::Done {
+                worker: worker_id.to_string(),
+                outputs: done.outputs,
+            },
+        );
         for &(consumer, pattern) in &job.consumers[task.stage as usize] {
             let indices: Vec<u32> = match pattern {
                 Pattern::OneToOne => vec![task.index],
@@ -536,12 +566,7 @@ impl State {
                 }
             }
         }
-        let all_done = job
-            .tasks
-            .iter()
-            .flatten()
-            .all(|t| matches!(t.status, TaskStatus::Done { .. }));
-        if all_done && job.state == JobState::Running {
+        if job.remaining == 0 && job.state == JobState::Running {
             job.state = JobState::Succeeded;
             tracing::info!(job = %job.id, name = %job.spec.name, "job succeeded");
         }
@@ -567,11 +592,11 @@ impl State {
             .jobs
             .get_mut(&task.job)
             .unwrap_or_else(|| unreachable!());
-        let entry = &mut job.tasks[task.stage as usize][task.index as usize];
+        let attempts = job.tasks[task.stage as usize][task.index as usize].attempts;
         let stage_name = job.spec.stages[task.stage as usize].name.clone();
-        if failed.retriable && entry.attempts < MAX_ATTEMPTS {
+        job.set_status(task.stage, task.index, TaskStatus::Ready);
+        if failed.retriable && attempts < MAX_ATTEMPTS {
             tracing::warn!(job = %job.id, stage = %stage_name, task = task.index, "retrying after: {}", failed.error);
-            entry.status = TaskStatus::Ready;
             // Its inputs may be gone with a lost peer: recount puts it (and anything else
             // affected) back to waiting until they are recomputed.
             for (stage, index) in job.recount() {
@@ -588,13 +613,12 @@ impl State {
             "stage `{stage_name}` task {} failed{}: {}",
             task.index,
             if failed.retriable {
-                format!(" after {} attempts", entry.attempts)
+                format!(" after {attempts} attempts")
             } else {
                 String::new()
             },
             failed.error
         );
-        entry.status = TaskStatus::Ready;
         let mut out = self.finish_job(task.job, JobState::Failed, reason);
         out.extend(self.dispatch());
         out
@@ -612,26 +636,38 @@ impl State {
         tracing::warn!(job = %job.id, name = %job.spec.name, ?state, "{error}");
         job.state = state;
         job.error = error;
-        for (stage, tasks) in job.tasks.iter_mut().enumerate() {
-            for (index, entry) in tasks.iter_mut().enumerate() {
-                if let TaskStatus::Running { worker } = &entry.status {
-                    if let Some(w) = self.workers.get_mut(worker) {
-                        w.running.remove(&(number, stage as u32, index as u32));
-                        out.push((
-                            w.outbox.clone(),
-                            message(ToWorker::Cancel(CancelTask {
-                                task: Some(TaskId {
-                                    job_id: job.id.clone(),
-                                    stage: stage as u32,
-                                    index: index as u32,
-                                    attempt: entry.attempts,
-                                }),
-                            })),
-                        ));
-                    }
-                    entry.status = TaskStatus::Ready;
-                }
+        let running: Vec<(u32, u32, String, u32)> = job
+            .tasks
+            .iter()
+            .enumerate()
+            .flat_map(|(s, tasks)| {
+                tasks
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(i, t)| match &t.status {
+                        TaskStatus::Running { worker } => {
+                            Some((s as u32, i as u32, worker.clone(), t.attempts))
+                        }
+                        _ => None,
+                    })
+            })
+            .collect();
+        for (stage, index, worker, attempt) in running {
+            if let Some(w) = self.workers.get_mut(&worker) {
+                w.running.remove(&(number, stage, index));
+                out.push((
+                    w.outbox.clone(),
+                    message(ToWorker::Cancel(CancelTask {
+                        task: Some(TaskId {
+                            job_id: job.id.clone(),
+                            stage,
+                            index,
+                            attempt,
+                        }),
+                    })),
+                ));
             }
+            job.set_status(stage, index, TaskStatus::Ready);
         }
         job.publish();
         out
@@ -680,11 +716,11 @@ impl State {
                 continue;
             }
             let mut touched = false;
-            for tasks in job.tasks.iter_mut() {
-                for entry in tasks.iter_mut() {
-                    if matches!(&entry.status, TaskStatus::Running { worker } if worker == worker_id)
-                    {
-                        entry.status = TaskStatus::Ready;
+            for stage in 0..job.tasks.len() as u32 {
+                for index in 0..job.tasks[stage as usize].len() as u32 {
+                    let status = &job.tasks[stage as usize][index as usize].status;
+                    if matches!(status, TaskStatus::Running { worker } if worker == worker_id) {
+                        job.set_status(stage, index, TaskStatus::Ready);
                         rerun += 1;
                         touched = true;
                     }
@@ -708,7 +744,7 @@ impl State {
                     break;
                 }
                 for (s, i) in lost_and_needed {
-                    job.tasks[s as usize][i as usize].status = TaskStatus::Ready;
+                    job.set_status(s, i, TaskStatus::Ready);
                     recompute += 1;
                 }
                 touched = true;
@@ -887,7 +923,17 @@ mod tests {
         }
     }
 
+    /// The job's state, after checking its incremental counters against its tasks.
     fn job_state(state: &State, id: &str) -> JobState {
+        let job = &state.jobs[&state.job_ids[id]];
+        let mut remaining = 0;
+        for (s, tasks) in job.tasks.iter().enumerate() {
+            let done = tasks.iter().filter(|t| matches!(t.status, TaskStatus::Done { .. })).count();
+            let running = tasks.iter().filter(|t| matches!(t.status, TaskStatus::Running { .. })).count();
+            assert_eq!((job.done[s] as usize, job.running[s] as usize), (done, running), "stage {s} counters");
+            remaining += tasks.len() - done;
+        }
+        assert_eq!(job.remaining, remaining, "remaining tasks");
         state.result(id).unwrap().state()
     }
 
@@ -1092,14 +1138,22 @@ mod tests {
         let number = state.job_ids[&id];
         let job = state.jobs.get_mut(&number).unwrap();
         let output = vec![OutputMeta { rows: 1, bytes: 5 }];
-        job.tasks[0][0].status = TaskStatus::Done {
-            worker: "a".into(),
-            outputs: output.clone(),
-        };
-        job.tasks[1][0].status = TaskStatus::Done {
-            worker: "b".into(),
-            outputs: output,
-        };
+        job.set_status(
+            0,
+            0,
+            TaskStatus::Done {
+                worker: "a".into(),
+                outputs: output.clone(),
+            },
+        );
+        job.set_status(
+            1,
+            0,
+            TaskStatus::Done {
+                worker: "b".into(),
+                outputs: output,
+            },
+        );
         for (stage, index) in job.recount() {
             state.ready.push_back(TaskRef {
                 job: number,
