@@ -928,9 +928,19 @@ mod tests {
         let job = &state.jobs[&state.job_ids[id]];
         let mut remaining = 0;
         for (s, tasks) in job.tasks.iter().enumerate() {
-            let done = tasks.iter().filter(|t| matches!(t.status, TaskStatus::Done { .. })).count();
-            let running = tasks.iter().filter(|t| matches!(t.status, TaskStatus::Running { .. })).count();
-            assert_eq!((job.done[s] as usize, job.running[s] as usize), (done, running), "stage {s} counters");
+            let done = tasks
+                .iter()
+                .filter(|t| matches!(t.status, TaskStatus::Done { .. }))
+                .count();
+            let running = tasks
+                .iter()
+                .filter(|t| matches!(t.status, TaskStatus::Running { .. }))
+                .count();
+            assert_eq!(
+                (job.done[s] as usize, job.running[s] as usize),
+                (done, running),
+                "stage {s} counters"
+            );
             remaining += tasks.len() - done;
         }
         assert_eq!(job.remaining, remaining, "remaining tasks");
