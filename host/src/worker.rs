@@ -75,6 +75,8 @@ struct Shared {
     peers: PeerClient,
     scheduler: SchedulerClient<Channel>,
     outbox: mpsc::Sender<WorkerMessage>,
+    /// One permit per slot: the scheduler may queue more tasks here than run at once.
+    slots: tokio::sync::Semaphore,
     running: std::sync::atomic::AtomicU32,
 }
 
@@ -198,6 +200,7 @@ pub async fn run(
         peers: PeerClient::new(),
         scheduler,
         outbox: outbox.clone(),
+        slots: tokio::sync::Semaphore::new(config.slots.max(1) as usize),
         running: Default::default(),
     });
     let mut heartbeat = tokio::time::interval(heartbeat_every);
@@ -279,6 +282,9 @@ async fn connect_with_retry(address: &str, timeout: Duration) -> Result<Channel,
 async fn run_assigned(shared: Arc<Shared>, task: AssignTask) {
     use std::sync::atomic::Ordering;
     let id = task.task.clone().unwrap_or_default();
+    let Ok(_slot) = shared.slots.acquire().await else {
+        return; // the semaphore is never closed
+    };
     shared.running.fetch_add(1, Ordering::Relaxed);
     let outcome = execute(&shared, task).await;
     shared.running.fetch_sub(1, Ordering::Relaxed);

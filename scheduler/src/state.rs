@@ -22,6 +22,10 @@ pub type WorkerOutbox = mpsc::UnboundedSender<Result<SchedulerMessage, tonic::St
 /// The reason given when a worker closes its channel itself.
 pub const WORKER_LEFT: &str = "it closed its channel";
 
+/// Tasks a worker may hold queued per slot beyond those it runs, so that a slot that frees up
+/// starts its next task at once instead of waiting a round trip to the scheduler.
+pub const QUEUED_PER_SLOT: u32 = 1;
+
 /// Attempts of a task that failed with a retriable error before the job fails.
 pub const MAX_ATTEMPTS: u32 = 4;
 
@@ -83,6 +87,7 @@ struct Job {
 struct Worker {
     address: String,
     slots: u32,
+    /// Tasks assigned to the worker: running, or queued there.
     running: HashSet<(u64, u32, u32)>,
     outbox: WorkerOutbox,
     last_seen: Instant,
@@ -90,6 +95,17 @@ struct Worker {
     pool_bytes: u64,
     pool_used_bytes: u64,
     partitions: u64,
+}
+
+impl Worker {
+    /// Tasks the worker may hold at once, running or queued.
+    fn capacity(&self) -> u32 {
+        self.slots * (1 + QUEUED_PER_SLOT)
+    }
+
+    fn free(&self) -> u32 {
+        self.capacity().saturating_sub(self.running.len() as u32)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -371,11 +387,7 @@ impl State {
     /// a task's input bytes.
     pub fn dispatch(&mut self) -> Outgoing {
         let mut out = Vec::new();
-        let mut free: usize = self
-            .workers
-            .values()
-            .map(|w| w.slots.saturating_sub(w.running.len() as u32) as usize)
-            .sum();
+        let mut free: usize = self.workers.values().map(|w| w.free() as usize).sum();
         while free > 0 {
             let Some(task) = self.ready.pop_front() else {
                 break;
@@ -411,10 +423,10 @@ impl State {
         }
         self.workers
             .iter()
-            .filter(|(_, w)| (w.running.len() as u32) < w.slots)
+            .filter(|(_, w)| w.free() > 0)
             .max_by_key(|(id, w)| {
                 let local = local_bytes.get(id.as_str()).copied().unwrap_or(0);
-                let free = w.slots - w.running.len() as u32;
+                let free = w.free();
                 (local, free, std::cmp::Reverse((*id).clone()))
             })
             .map(|(id, _)| id.clone())
@@ -954,7 +966,11 @@ mod tests {
         let _b = add_worker(&mut state, "b", 1);
         let (id, _) = state.submit(map_reduce(5));
         let first = assigned(&state.dispatch());
-        assert_eq!(first.len(), 3, "three free slots");
+        assert_eq!(
+            first.len(),
+            5,
+            "three slots, each with room for a queued task: all five maps are assigned"
+        );
         let mut pending: Vec<AssignTask> = first;
         let mut reduce = None;
         while let Some(task) = pending.pop() {
@@ -1074,16 +1090,19 @@ mod tests {
         state.task_done("a", done(&on_a[0], 5));
         let out = state.worker_lost("a", "test");
         let rerun = assigned(&out);
-        assert!(rerun.is_empty(), "b is busy: nothing can start yet");
-        let out = state.task_done("b", done(&on_b[0], 5));
-        let rerun = assigned(&out);
         assert_eq!(
             rerun.len(),
             1,
-            "the map whose output died with `a` runs again"
+            "the map whose output died with `a` runs again, queued on b"
         );
         assert_eq!(rerun[0].stage_name, "map");
         assert_eq!(rerun[0].task.as_ref().unwrap().attempt, 2);
+        assert_eq!(worker_of(&state, &rerun[0]), "b");
+        let out = state.task_done("b", done(&on_b[0], 5));
+        assert!(
+            assigned(&out).is_empty(),
+            "the reduce waits for the rerun map"
+        );
         let reduce = assigned(&state.task_done("b", done(&rerun[0], 5))).remove(0);
         assert!(reduce.inputs.iter().all(
             |i| matches!(&i.kind, Some(task_input::Kind::Partition(p)) if p.worker_id == "b")
@@ -1214,7 +1233,11 @@ mod tests {
             .iter()
             .filter(|(_, m)| matches!(m.kind, Some(ToWorker::Release(_))))
             .count();
-        assert_eq!((cancels, releases), (2, 1));
+        assert_eq!(
+            (cancels, releases),
+            (3, 1),
+            "two slots plus queue room: all three maps were assigned"
+        );
         assert!(
             assigned(&out).is_empty(),
             "nothing of a cancelled job starts"
