@@ -69,3 +69,50 @@ fn compiled_components_are_cached_on_disk_and_damaged_entries_are_rebuilt() {
         "the artifact was rewritten"
     );
 }
+
+/// Replaces every occurrence of `from` by `to` (same length, so the component stays well formed).
+fn patch(bytes: &[u8], from: &[u8], to: &[u8]) -> (Vec<u8>, usize) {
+    assert_eq!(from.len(), to.len());
+    let mut out = bytes.to_vec();
+    let mut count = 0;
+    let mut i = 0;
+    while i + from.len() <= out.len() {
+        if &out[i..i + from.len()] == from {
+            out[i..i + from.len()].copy_from_slice(to);
+            count += 1;
+            i += from.len();
+        } else {
+            i += 1;
+        }
+    }
+    (out, count)
+}
+
+#[test]
+fn components_built_against_an_incompatible_wit_version_are_refused_by_name() {
+    let wasm = std::fs::read(guest("noop")).unwrap();
+    // The same component, as if built against wrk:task@0.2.0.
+    let (newer, count) = patch(
+        &wasm,
+        b"wrk:task/dataframe@0.1.0",
+        b"wrk:task/dataframe@0.2.0",
+    );
+    assert!(count > 0, "the component imports wrk:task/dataframe@0.1.0");
+    let (newer, _) = patch(&newer, b"wrk:task/types@0.1.0", b"wrk:task/types@0.2.0");
+    let engine = TaskEngine::new(EngineConfig::default()).unwrap();
+    let err = match engine.prepare("newer.wasm", &module_hash(&newer), &newer) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a component built against wrk:task@0.2.0 was accepted"),
+    };
+    assert!(
+        err.contains("module `newer.wasm` was built against wrk:task@0.2.0")
+            && err.contains("implements wrk:task@0.1.0"),
+        "{err}"
+    );
+    // A patch release of the same minor is compatible.
+    let (patch_release, _) = patch(&wasm, b"@0.1.0", b"@0.1.9");
+    engine
+        .prepare("patched.wasm", &module_hash(&patch_release), &patch_release)
+        .map(|_| ())
+        .unwrap_or_else(|e| panic!("wrk:task@0.1.9 should be accepted: {e}"));
+}
