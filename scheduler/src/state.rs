@@ -89,6 +89,8 @@ struct Worker {
     slots: u32,
     /// Tasks assigned to the worker: running, or queued there.
     running: HashSet<(u64, u32, u32)>,
+    /// Whether the worker is in the scheduler's idle queue.
+    idle_queued: bool,
     outbox: WorkerOutbox,
     last_seen: Instant,
     device: String,
@@ -122,6 +124,9 @@ pub struct State {
     job_ids: HashMap<String, u64>,
     modules: HashMap<String, StoredModule>,
     ready: VecDeque<TaskRef>,
+    /// Workers that may have room for a task, in round-robin order (entries are checked when
+    /// taken, so a full or departed worker may linger until then).
+    idle: VecDeque<String>,
     next_job: u64,
 }
 
@@ -285,6 +290,7 @@ impl State {
                 address: register.data_address.clone(),
                 slots: register.slots.max(1),
                 running: HashSet::new(),
+                idle_queued: false,
                 outbox,
                 last_seen: Instant::now(),
                 device: register.device.clone(),
@@ -293,6 +299,7 @@ impl State {
                 partitions: 0,
             },
         );
+        self.requeue_if_free(&register.worker_id);
         Ok(())
     }
 
@@ -387,8 +394,7 @@ impl State {
     /// a task's input bytes.
     pub fn dispatch(&mut self) -> Outgoing {
         let mut out = Vec::new();
-        let mut free: usize = self.workers.values().map(|w| w.free() as usize).sum();
-        while free > 0 {
+        while self.has_free_worker() {
             let Some(task) = self.ready.pop_front() else {
                 break;
             };
@@ -400,18 +406,62 @@ impl State {
             {
                 continue;
             }
-            let Some(worker_id) = self.place(job, task) else {
-                self.ready.push_front(task);
-                break;
+            let worker_id = match self.local_worker(job, task) {
+                Some(local) => local,
+                // Round robin over the workers with room: take the first, requeue it below.
+                None => match self.idle.pop_front() {
+                    Some(id) => {
+                        if let Some(w) = self.workers.get_mut(&id) {
+                            w.idle_queued = false;
+                        }
+                        id
+                    }
+                    None => {
+                        self.ready.push_front(task);
+                        break;
+                    }
+                },
             };
             out.push(self.start(task, &worker_id));
-            free -= 1;
+            self.requeue_if_free(&worker_id);
         }
         out
     }
 
-    /// The free worker holding most input bytes of `task`, then the least loaded.
-    fn place(&self, job: &Job, task: TaskRef) -> Option<String> {
+    /// Whether some worker has room, dropping stale entries (full or gone) from the idle queue.
+    fn has_free_worker(&mut self) -> bool {
+        while let Some(id) = self.idle.front() {
+            match self.workers.get_mut(id) {
+                Some(w) if w.free() > 0 => return true,
+                Some(w) => w.idle_queued = false,
+                None => {}
+            }
+            self.idle.pop_front();
+        }
+        false
+    }
+
+    /// Puts a worker with room back in the idle queue (once).
+    fn requeue_if_free(&mut self, worker_id: &str) {
+        if let Some(w) = self.workers.get_mut(worker_id)
+            && w.free() > 0
+            && !w.idle_queued
+        {
+            w.idle_queued = true;
+            self.idle.push_back(worker_id.to_string());
+        }
+    }
+
+    /// A task attempt left a worker (done, failed, cancelled): free its place.
+    fn release_slot(&mut self, worker_id: &str, task: (u64, u32, u32)) {
+        if let Some(w) = self.workers.get_mut(worker_id) {
+            w.running.remove(&task);
+        }
+        self.requeue_if_free(worker_id);
+    }
+
+    /// Among the workers holding `task`'s inputs, the one with room holding the most bytes.
+    fn local_worker(&self, job: &Job, task: TaskRef) -> Option<String> {
         let mut local_bytes: HashMap<&str, u64> = HashMap::new();
         for (stage, index) in job.inputs_of(task.stage, task.index) {
             if let TaskStatus::Done { worker, outputs } =
@@ -421,15 +471,11 @@ impl State {
                     outputs.iter().map(|o| o.bytes).sum::<u64>();
             }
         }
-        self.workers
-            .iter()
-            .filter(|(_, w)| w.free() > 0)
-            .max_by_key(|(id, w)| {
-                let local = local_bytes.get(id.as_str()).copied().unwrap_or(0);
-                let free = w.free();
-                (local, free, std::cmp::Reverse((*id).clone()))
-            })
-            .map(|(id, _)| id.clone())
+        local_bytes
+            .into_iter()
+            .filter(|(id, _)| self.workers.get(*id).is_some_and(|w| w.free() > 0))
+            .max_by_key(|(id, bytes)| (*bytes, std::cmp::Reverse(*id)))
+            .map(|(id, _)| id.to_string())
     }
 
     fn start(&mut self, task: TaskRef, worker_id: &str) -> (WorkerOutbox, SchedulerMessage) {
@@ -535,13 +581,8 @@ impl State {
         let Some(id) = done.task else {
             return Vec::new();
         };
-        if let Some(worker) = self.workers.get_mut(worker_id) {
-            worker.running.remove(&(
-                self.job_ids.get(&id.job_id).copied().unwrap_or(0),
-                id.stage,
-                id.index,
-            ));
-        }
+        let number = self.job_ids.get(&id.job_id).copied().unwrap_or(0);
+        self.release_slot(worker_id, (number, id.stage, id.index));
         let Some(task) = self.current(worker_id, &id) else {
             return self.dispatch();
         };
@@ -590,13 +631,8 @@ impl State {
         let Some(id) = failed.task else {
             return Vec::new();
         };
-        if let Some(worker) = self.workers.get_mut(worker_id) {
-            worker.running.remove(&(
-                self.job_ids.get(&id.job_id).copied().unwrap_or(0),
-                id.stage,
-                id.index,
-            ));
-        }
+        let number = self.job_ids.get(&id.job_id).copied().unwrap_or(0);
+        self.release_slot(worker_id, (number, id.stage, id.index));
         let Some(task) = self.current(worker_id, &id) else {
             return self.dispatch();
         };
@@ -664,6 +700,7 @@ impl State {
                     })
             })
             .collect();
+        let mut freed = Vec::with_capacity(running.len());
         for (stage, index, worker, attempt) in running {
             if let Some(w) = self.workers.get_mut(&worker) {
                 w.running.remove(&(number, stage, index));
@@ -680,8 +717,12 @@ impl State {
                 ));
             }
             job.set_status(stage, index, TaskStatus::Ready);
+            freed.push(worker);
         }
         job.publish();
+        for worker in freed {
+            self.requeue_if_free(&worker);
+        }
         out
     }
 
@@ -782,6 +823,20 @@ impl State {
             );
         }
         self.dispatch()
+    }
+
+    /// The worker a task attempt is running on, if it is running.
+    pub fn worker_of(&self, id: &TaskId) -> Option<String> {
+        let job = self.jobs.get(self.job_ids.get(&id.job_id)?)?;
+        match &job
+            .tasks
+            .get(id.stage as usize)?
+            .get(id.index as usize)?
+            .status
+        {
+            TaskStatus::Running { worker } => Some(worker.clone()),
+            _ => None,
+        }
     }
 
     pub fn result(&self, job_id: &str) -> Result<JobResult, StateError> {
