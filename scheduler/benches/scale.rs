@@ -1,7 +1,7 @@
 //! Scheduler-only throughput: 1,000 simulated workers (in-process, no network) run a 1,000,000-task
-//! graph (map 999,000 tasks one-to-one into... see `graph`) through the real state machine. Prints
-//! tasks/s, task transitions/s and resident memory per task. `cargo bench -p wrk-scheduler`;
-//! `WRK_BENCH_TASKS` / `WRK_BENCH_WORKERS` change the sizes.
+//! graph (see [`graph`]) through the real state machine. Prints tasks/s, task transitions/s and
+//! resident memory per task. `cargo bench -p wrk-scheduler`; `WRK_BENCH_TASKS` and
+//! `WRK_BENCH_WORKERS` change the sizes.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -33,8 +33,8 @@ fn rss_bytes() -> u64 {
         .unwrap_or(0)
 }
 
-/// Three stages: `a` (n/2 tasks) -> `b` one-to-one (n/2 - 1... sized so the total is n) -> `c`
-/// gathering everything of `b` in one task.
+/// Three stages, about `tasks` in all: `a` ((tasks-1)/2 tasks) -> `b` one-to-one over `a` -> `c`,
+/// one task gathering every output of `b`.
 fn graph(tasks: usize) -> JobSpec {
     let wide = ((tasks - 1) / 2) as u32;
     let stage = |name: &str, num_tasks: u32, inputs: Vec<StageInput>| Stage {
@@ -94,21 +94,20 @@ fn main() {
     let (job_id, _) = state.submit(graph(tasks));
     let total: usize = 2 * ((tasks - 1) / 2) + 1;
     let submitted = started.elapsed();
-    let mut in_flight: VecDeque<(String, wrk_proto::TaskId)> = VecDeque::new();
+    let mut in_flight: VecDeque<wrk_proto::TaskId> = VecDeque::new();
     let mut transitions = 0u64;
     let mut completed = 0usize;
-    let mut queue_assignments = |out: wrk_scheduler::state::Outgoing,
-                                 in_flight: &mut VecDeque<_>| {
+    let queue_assignments = |out: wrk_scheduler::state::Outgoing, in_flight: &mut VecDeque<_>| {
         for (_, message) in out {
             if let Some(Kind::Assign(assign)) = message.kind {
                 let task = assign.task.expect("assigned task has an id");
-                in_flight.push_back((String::new(), task));
+                in_flight.push_back(task);
             }
         }
     };
     queue_assignments(state.dispatch(), &mut in_flight);
     let mut peak_rss = rss_bytes();
-    while let Some((_, task)) = in_flight.pop_front() {
+    while let Some(task) = in_flight.pop_front() {
         let worker = state
             .worker_of(&task)
             .expect("an assigned task runs somewhere");
@@ -126,11 +125,11 @@ fn main() {
         transitions += 2; // ready -> running, running -> done
         completed += 1;
         queue_assignments(out, &mut in_flight);
-        if completed % 100_000 == 0 {
+        if completed.is_multiple_of(100_000) {
             peak_rss = peak_rss.max(rss_bytes());
         }
         // The simulated workers' inboxes are drained lazily: the messages were built and sent.
-        if completed % 10_000 == 0 {
+        if completed.is_multiple_of(10_000) {
             for inbox in &mut inboxes {
                 while inbox.try_recv().is_ok() {}
             }

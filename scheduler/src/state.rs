@@ -1260,6 +1260,37 @@ mod tests {
     }
 
     #[test]
+    fn a_large_graph_completes_and_spreads_over_every_worker() {
+        let mut state = State::new();
+        let inboxes: Vec<Inbox> = (0..50)
+            .map(|w| add_worker(&mut state, &format!("w{w:02}"), 2))
+            .collect();
+        let mut spec = map_reduce(10_000);
+        spec.stages[1].num_tasks = 10_000;
+        spec.stages[1].inputs[0].pattern = Pattern::OneToOne as i32;
+        let (id, _) = state.submit(spec);
+        let mut pending: VecDeque<AssignTask> = assigned(&state.dispatch()).into();
+        let mut per_worker: HashMap<String, usize> = HashMap::new();
+        while let Some(task) = pending.pop_front() {
+            let worker = worker_of(&state, &task);
+            *per_worker.entry(worker.clone()).or_default() += 1;
+            pending.extend(assigned(&state.task_done(&worker, done(&task, 100))));
+        }
+        assert_eq!(job_state(&state, &id), JobState::Succeeded);
+        assert_eq!(per_worker.values().sum::<usize>(), 20_000);
+        assert_eq!(per_worker.len(), 50, "every worker got work");
+        let (least, most) = (
+            per_worker.values().min().unwrap(),
+            per_worker.values().max().unwrap(),
+        );
+        assert!(
+            most - least <= 200,
+            "work is spread evenly: {least}..{most} tasks per worker"
+        );
+        drop(inboxes);
+    }
+
+    #[test]
     fn stale_reports_are_ignored() {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);
