@@ -378,6 +378,24 @@ async fn status(url: &str) -> Result<()> {
             w.pool_used_bytes as f64 / (1 << 20) as f64
         );
     }
+    let advice = client::connect(url)
+        .await?
+        .get_scaling_advice(wrk_proto::ScalingRequest {
+            target_duration_ms: 0,
+        })
+        .await?
+        .into_inner();
+    println!(
+        "scaling: backlog {} tasks (~{:.1} task-seconds); {} workers wanted to finish it within 60 s; retirable: {}",
+        advice.backlog_tasks,
+        advice.backlog_seconds,
+        advice.desired_workers,
+        if advice.retirable_workers.is_empty() {
+            "none".to_string()
+        } else {
+            advice.retirable_workers.join(", ")
+        }
+    );
     println!("jobs: {}", status.jobs.len());
     for j in &status.jobs {
         let state = JobState::try_from(j.state).unwrap_or(JobState::Unspecified);

@@ -15,12 +15,15 @@ use wrk_proto::scheduler_server::{Scheduler, SchedulerServer};
 use wrk_proto::worker_message::Kind as FromWorker;
 use wrk_proto::{
     ClusterStatus, Empty, GetModuleRequest, JobProgress, JobRef, JobResult, JobState,
-    MAX_MESSAGE_BYTES, ModuleBytes, Registered, SchedulerMessage, SubmitJobRequest,
-    SubmitJobResponse, WorkerMessage,
+    MAX_MESSAGE_BYTES, ModuleBytes, Registered, ScalingAdvice, ScalingRequest, SchedulerMessage,
+    SubmitJobRequest, SubmitJobResponse, WorkerMessage,
 };
 
 use crate::graph;
 use crate::state::{Outgoing, State, StateError, WORKER_LEFT};
+
+/// How soon the backlog should drain when a scaling request names no target.
+const DEFAULT_SCALING_TARGET: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulerConfig {
@@ -259,6 +262,17 @@ impl Scheduler for SchedulerService {
             .map_err(status)?;
         send(out);
         Ok(Response::new(Empty {}))
+    }
+
+    async fn get_scaling_advice(
+        &self,
+        request: Request<ScalingRequest>,
+    ) -> Result<Response<ScalingAdvice>, Status> {
+        let target = match request.into_inner().target_duration_ms {
+            0 => DEFAULT_SCALING_TARGET,
+            ms => Duration::from_millis(ms),
+        };
+        Ok(Response::new(self.state().scaling_advice(target)))
     }
 
     async fn get_cluster_status(

@@ -12,8 +12,8 @@ use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::stage_input::Pattern;
 use wrk_proto::{
     AssignTask, CancelTask, ClusterStatus, JobProgress, JobResult, JobSpec, JobState, JobSummary,
-    OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, SchedulerMessage, StageProgress,
-    TaskDone, TaskFailed, TaskId, TaskInput, WorkerStatus, task_input,
+    OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, ScalingAdvice, SchedulerMessage,
+    StageProgress, TaskDone, TaskFailed, TaskId, TaskInput, WorkerStatus, task_input,
 };
 
 /// Where a worker's control messages go.
@@ -25,6 +25,12 @@ pub const WORKER_LEFT: &str = "it closed its channel";
 /// Tasks a worker may hold queued per slot beyond those it runs, so that a slot that frees up
 /// starts its next task at once instead of waiting a round trip to the scheduler.
 pub const QUEUED_PER_SLOT: u32 = 1;
+
+/// A task running on this many workers that died fails its job as poisoned.
+pub const POISON_AFTER_LOST_WORKERS: u32 = 3;
+
+/// Task duration assumed for a stage before any of its tasks finished (as Dask's `adapt` does).
+const DEFAULT_TASK_SECONDS: f64 = 0.5;
 
 /// Attempts of a task that failed with a retriable error before the job fails.
 pub const MAX_ATTEMPTS: u32 = 4;
@@ -66,6 +72,8 @@ struct TaskEntry {
     status: TaskStatus,
     /// Attempts started so far.
     attempts: u32,
+    /// Workers that died while running this task.
+    workers_lost: u32,
 }
 
 struct Job {
@@ -82,6 +90,11 @@ struct Job {
     running: Vec<u32>,
     /// Tasks of the job not done.
     remaining: usize,
+    /// Per stage: total seconds and count of finished tasks, to estimate the backlog.
+    durations: Vec<(f64, u32)>,
+    /// The client fetched the results (or there are none to fetch): workers dropped the job's
+    /// data and the scheduler its tasks.
+    released: bool,
 }
 
 struct Worker {
@@ -345,6 +358,7 @@ impl State {
                     TaskEntry {
                         status: TaskStatus::Waiting(0),
                         attempts: 0,
+                        workers_lost: 0,
                     };
                     stage.num_tasks as usize
                 ]
@@ -364,6 +378,8 @@ impl State {
             done: vec![0; stages],
             running: vec![0; stages],
             remaining,
+            durations: vec![(0.0, 0); stages],
+            released: false,
         };
         for (stage, index) in job.recount() {
             self.ready.push_back(TaskRef {
@@ -598,6 +614,12 @@ impl State {
                 outputs: done.outputs,
             },
         );
+        job.tasks[task.stage as usize][task.index as usize].workers_lost = 0;
+        if let Some(stats) = done.stats {
+            let entry = &mut job.durations[task.stage as usize];
+            entry.0 += stats.duration_us as f64 / 1e6;
+            entry.1 += 1;
+        }
         for &(consumer, pattern) in &job.consumers[task.stage as usize] {
             let indices: Vec<u32> = match pattern {
                 Pattern::OneToOne => vec![task.index],
@@ -668,6 +690,8 @@ impl State {
             failed.error
         );
         let mut out = self.finish_job(task.job, JobState::Failed, reason);
+        // A failed job has no results to fetch: drop its data now.
+        out.extend(self.release_job(task.job));
         out.extend(self.dispatch());
         out
     }
@@ -733,26 +757,103 @@ impl State {
             JobState::Cancelled,
             "cancelled by the client".into(),
         );
-        out.extend(self.release(job_id)?);
+        out.extend(self.release_job(number));
         out.extend(self.dispatch());
         Ok(out)
     }
 
-    /// Tells every worker to drop the job's partitions.
+    /// The client is done with a job: workers drop its data, the scheduler its tasks. A job
+    /// still running is cancelled first.
     pub fn release(&mut self, job_id: &str) -> Result<Outgoing, StateError> {
-        self.job_number(job_id)?;
-        Ok(self
-            .workers
+        let number = self.job_number(job_id)?;
+        let mut out = self.finish_job(
+            number,
+            JobState::Cancelled,
+            "released by the client before it finished".into(),
+        );
+        out.extend(self.release_job(number));
+        out.extend(self.dispatch());
+        Ok(out)
+    }
+
+    /// Tells every worker to drop a finished job's partitions and forgets its tasks.
+    fn release_job(&mut self, number: u64) -> Outgoing {
+        let Some(job) = self.jobs.get_mut(&number) else {
+            return Vec::new();
+        };
+        if job.released {
+            return Vec::new();
+        }
+        job.released = true;
+        job.tasks = Vec::new();
+        let job_id = job.id.clone();
+        self.workers
             .values()
             .map(|w| {
                 (
                     w.outbox.clone(),
                     message(ToWorker::Release(ReleaseJob {
-                        job_id: job_id.to_string(),
+                        job_id: job_id.clone(),
                     })),
                 )
             })
-            .collect())
+            .collect()
+    }
+
+    /// How many workers the backlog needs to be done within `target`, and which workers can
+    /// stop without losing data any job still needs.
+    pub fn scaling_advice(&self, target: Duration) -> ScalingAdvice {
+        let mut holding: HashSet<&str> = HashSet::new();
+        let mut backlog_tasks = 0u64;
+        let mut backlog_seconds = 0.0f64;
+        for job in self.jobs.values().filter(|j| !j.released) {
+            for (stage, tasks) in job.tasks.iter().enumerate() {
+                for task in tasks {
+                    if let TaskStatus::Done { worker, .. } = &task.status {
+                        holding.insert(worker);
+                    }
+                }
+                if is_terminal(job.state) {
+                    continue;
+                }
+                let left = tasks.len() as u32 - job.done[stage];
+                let (seconds, count) = job.durations[stage];
+                let mean = if count > 0 {
+                    seconds / f64::from(count)
+                } else {
+                    DEFAULT_TASK_SECONDS
+                };
+                backlog_tasks += u64::from(left);
+                backlog_seconds += f64::from(left) * mean;
+            }
+        }
+        let mut retirable: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|(id, w)| w.running.is_empty() && !holding.contains(id.as_str()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        retirable.sort();
+        let current = self.workers.len() as u32;
+        let slots_per_worker = if self.workers.is_empty() {
+            1.0
+        } else {
+            self.workers
+                .values()
+                .map(|w| f64::from(w.slots))
+                .sum::<f64>()
+                / f64::from(current)
+        };
+        let for_backlog =
+            (backlog_seconds / (target.as_secs_f64().max(0.001) * slots_per_worker)).ceil() as u32;
+        let for_data = current - retirable.len() as u32;
+        ScalingAdvice {
+            current_workers: current,
+            desired_workers: for_backlog.max(for_data).max(u32::from(backlog_tasks > 0)),
+            retirable_workers: retirable,
+            backlog_tasks,
+            backlog_seconds,
+        }
     }
 
     /// Forgets a worker: its running tasks run again elsewhere, and outputs it held that an
@@ -763,6 +864,7 @@ impl State {
         };
         let mut rerun = 0usize;
         let mut recompute = 0usize;
+        let mut poisoned: Vec<(u64, String)> = Vec::new();
         let workers = &self.workers;
         for (&number, job) in self.jobs.iter_mut() {
             if is_terminal(job.state) {
@@ -776,6 +878,17 @@ impl State {
                         job.set_status(stage, index, TaskStatus::Ready);
                         rerun += 1;
                         touched = true;
+                        let entry = &mut job.tasks[stage as usize][index as usize];
+                        entry.workers_lost += 1;
+                        if entry.workers_lost >= POISON_AFTER_LOST_WORKERS {
+                            poisoned.push((
+                                number,
+                                format!(
+                                    "stage `{}` task {index} is poisoned: the {} workers that ran it died (the last: {worker_id})",
+                                    job.spec.stages[stage as usize].name, entry.workers_lost
+                                ),
+                            ));
+                        }
                     }
                 }
             }
@@ -822,7 +935,13 @@ impl State {
                 "worker lost ({reason}): {rerun} running tasks to rerun, {recompute} finished tasks to recompute"
             );
         }
-        self.dispatch()
+        let mut out = Vec::new();
+        for (number, reason) in poisoned {
+            out.extend(self.finish_job(number, JobState::Failed, reason));
+            out.extend(self.release_job(number));
+        }
+        out.extend(self.dispatch());
+        out
     }
 
     /// The worker a task attempt is running on, if it is running.
@@ -843,7 +962,7 @@ impl State {
         let number = self.job_number(job_id)?;
         let job = &self.jobs[&number];
         let mut partitions = Vec::new();
-        if job.state == JobState::Succeeded {
+        if job.state == JobState::Succeeded && !job.released {
             for stage in job.final_stages() {
                 for (index, entry) in job.tasks[stage as usize].iter().enumerate() {
                     if let TaskStatus::Done { worker, outputs } = &entry.status {
@@ -993,6 +1112,10 @@ mod tests {
     /// The job's state, after checking its incremental counters against its tasks.
     fn job_state(state: &State, id: &str) -> JobState {
         let job = &state.jobs[&state.job_ids[id]];
+        if job.released {
+            assert!(job.tasks.is_empty(), "a released job keeps no tasks");
+            return state.result(id).unwrap().state();
+        }
         let mut remaining = 0;
         for (s, tasks) in job.tasks.iter().enumerate() {
             let done = tasks
@@ -1288,6 +1411,96 @@ mod tests {
             "work is spread evenly: {least}..{most} tasks per worker"
         );
         drop(inboxes);
+    }
+
+    #[test]
+    fn a_task_whose_workers_keep_dying_poisons_its_job() {
+        let mut state = State::new();
+        let (id, _) = state.submit(map_reduce(1));
+        for round in 0..POISON_AFTER_LOST_WORKERS {
+            let worker = format!("victim-{round}");
+            let _inbox = add_worker(&mut state, &worker, 1);
+            let started = assigned(&state.dispatch());
+            assert_eq!(
+                started.len(),
+                1,
+                "round {round}: the map starts on the new worker"
+            );
+            state.worker_lost(&worker, "killed");
+        }
+        assert_eq!(job_state(&state, &id), JobState::Failed);
+        let error = state.result(&id).unwrap().error;
+        assert!(
+            error.contains("stage `map` task 0 is poisoned: the 3 workers that ran it died (the last: victim-2)"),
+            "{error}"
+        );
+        let _healthy = add_worker(&mut state, "healthy", 1);
+        assert!(
+            assigned(&state.dispatch()).is_empty(),
+            "a poisoned job runs nothing more"
+        );
+    }
+
+    #[test]
+    fn scaling_advice_follows_the_backlog_and_never_retires_data() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let _b = add_worker(&mut state, "b", 1);
+        let idle = state.scaling_advice(Duration::from_secs(1));
+        assert_eq!((idle.desired_workers, idle.retirable_workers.len()), (0, 2));
+
+        // 40 maps of unknown duration (0.5 s assumed) to finish in 5 s on 1-slot workers: 4.
+        let (id, _) = state.submit(map_reduce(40));
+        let advice = state.scaling_advice(Duration::from_secs(5));
+        assert_eq!(advice.backlog_tasks, 41);
+        assert_eq!(
+            advice.desired_workers, 5,
+            "41 tasks x 0.5 s / 5 s = 4.1 -> 5 workers"
+        );
+
+        // Measured durations replace the default: maps take 0.1 s.
+        let mut pending: VecDeque<AssignTask> = assigned(&state.dispatch()).into();
+        let mut finished = 0;
+        while let Some(task) = pending.pop_front() {
+            if task.stage_name == "reduce" {
+                pending.push_back(task);
+                break;
+            }
+            let worker = worker_of(&state, &task);
+            let mut report = done(&task, 10);
+            report.stats = Some(wrk_proto::TaskStats {
+                duration_us: 100_000,
+                ..Default::default()
+            });
+            pending.extend(assigned(&state.task_done(&worker, report)));
+            finished += 1;
+            if finished == 20 {
+                let advice = state.scaling_advice(Duration::from_secs(1));
+                // 20 maps x 0.1 s + the reduce (0.5 s assumed) = 2.5 s in 1 s: 3 workers.
+                assert_eq!(advice.desired_workers, 3);
+                assert!(advice.retirable_workers.is_empty(), "both hold map outputs");
+            }
+        }
+        let reduce = pending.pop_front().expect("the reduce is assigned");
+        let worker = worker_of(&state, &reduce);
+        state.task_done(&worker, done(&reduce, 1));
+        assert_eq!(job_state(&state, &id), JobState::Succeeded);
+        let holder = worker.clone();
+        let advice = state.scaling_advice(Duration::from_secs(1));
+        assert!(
+            !advice.retirable_workers.contains(&holder),
+            "the result is not fetched yet"
+        );
+        state.release(&id).unwrap();
+        let advice = state.scaling_advice(Duration::from_secs(1));
+        assert_eq!(
+            advice.retirable_workers,
+            vec!["a".to_string(), "b".to_string()]
+        );
+        assert!(
+            state.result(&id).unwrap().partitions.is_empty(),
+            "released results are gone"
+        );
     }
 
     #[test]
