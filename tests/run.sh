@@ -6,6 +6,12 @@ cd "$(dirname "$0")/.."
 # The guests build for wasm32-wasip2 (rust-toolchain.toml pins the toolchain and names the target;
 # this makes sure the target is there even where rustup did not add it).
 rustup target add wasm32-wasip2 >/dev/null
+# promtool (Debian's prometheus package) checks the metrics exposition.
+if ! command -v promtool >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --exclude taxi-haversine --exclude noop \

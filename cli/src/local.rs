@@ -20,13 +20,37 @@ pub struct LocalClusterConfig {
     /// Where the scheduler listens; port 0 picks a free one.
     pub listen: SocketAddr,
     pub cache_dir: Option<PathBuf>,
+    /// Where the scheduler serves HTTP (metrics, health); workers then serve their metrics on
+    /// free ports. `None`: no HTTP at all.
+    pub http: Option<SocketAddr>,
 }
 
 /// A running local cluster; dropping it does not stop it, [`LocalCluster::shutdown`] does.
 pub struct LocalCluster {
     pub scheduler_url: String,
+    /// The scheduler's HTTP address, when it serves one.
+    pub http_url: Option<String>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+}
+
+/// Binds `address`, or a free port on the same IP when it is taken (as Dask does for its
+/// dashboard), logging the move.
+pub async fn bind_with_fallback(address: SocketAddr) -> Result<TcpListener> {
+    match TcpListener::bind(address).await {
+        Ok(listener) => Ok(listener),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && address.port() != 0 => {
+            let listener = TcpListener::bind(SocketAddr::new(address.ip(), 0))
+                .await
+                .with_context(|| format!("cannot listen on {}", address.ip()))?;
+            tracing::warn!(
+                "{address} is in use; serving HTTP on {} instead",
+                listener.local_addr()?
+            );
+            Ok(listener)
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot listen on {address}")),
+    }
 }
 
 async fn stopped(mut stop: watch::Receiver<bool>) {
@@ -40,12 +64,21 @@ impl LocalCluster {
             .with_context(|| format!("cannot listen on {}", config.listen))?;
         let address = listener.local_addr()?;
         let scheduler_url = format!("http://{address}");
+        let http = match config.http {
+            Some(address) => Some(bind_with_fallback(address).await?),
+            None => None,
+        };
+        let http_url = match &http {
+            Some(listener) => Some(format!("http://{}", listener.local_addr()?)),
+            None => None,
+        };
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
         let scheduler_stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
             if let Err(e) = wrk_scheduler::serve(
                 listener,
+                http,
                 SchedulerConfig::default(),
                 stopped(scheduler_stop),
             )
@@ -67,6 +100,7 @@ impl LocalCluster {
                     ..EngineConfig::default()
                 },
                 connect_timeout: Duration::from_secs(10),
+                metrics_listen: config.http.map(|_| SocketAddr::from(([127, 0, 0, 1], 0))),
             };
             let worker_stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move {
@@ -77,6 +111,7 @@ impl LocalCluster {
         }
         Ok(LocalCluster {
             scheduler_url,
+            http_url,
             stop,
             tasks,
         })

@@ -39,11 +39,17 @@ enum Command {
         /// Where the scheduler listens.
         #[arg(long, default_value = "127.0.0.1:7070")]
         listen: SocketAddr,
+        /// Where the scheduler serves /metrics and /healthz (a free port if taken).
+        #[arg(long, default_value = "127.0.0.1:8787")]
+        http_listen: SocketAddr,
     },
     /// Run the scheduler.
     Scheduler {
         #[arg(long, default_value = "0.0.0.0:7070")]
         listen: SocketAddr,
+        /// Where the scheduler serves /metrics and /healthz (a free port if taken).
+        #[arg(long, default_value = "0.0.0.0:8787")]
+        http_listen: SocketAddr,
         /// How often workers heartbeat, in milliseconds.
         #[arg(long, default_value_t = 1000)]
         heartbeat_ms: u64,
@@ -146,6 +152,9 @@ struct WorkerArgs {
     /// Default time limit of one task, in seconds.
     #[arg(long, default_value_t = 600.0)]
     task_timeout_secs: f64,
+    /// Serve /metrics and /healthz here (for example 0.0.0.0:9090).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(clap::Args)]
@@ -211,21 +220,28 @@ async fn main() -> Result<()> {
     });
     match cli.command {
         Command::Submit(args) => submit(args).await,
-        Command::Up { cluster, listen } => up(cluster, listen).await,
+        Command::Up {
+            cluster,
+            listen,
+            http_listen,
+        } => up(cluster, listen, http_listen).await,
         Command::Scheduler {
             listen,
+            http_listen,
             heartbeat_ms,
             worker_timeout_secs,
         } => {
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("cannot listen on {listen}"))?;
+            let http = wrk_cli::local::bind_with_fallback(http_listen).await?;
+            eprintln!("wrk scheduler http on {}", http.local_addr()?);
             eprintln!("wrk scheduler listening on {}", listener.local_addr()?);
             let config = SchedulerConfig {
                 heartbeat_interval: Duration::from_millis(heartbeat_ms.max(10)),
                 worker_timeout: Duration::from_secs_f64(worker_timeout_secs.max(0.1)),
             };
-            wrk_scheduler::serve(listener, config, shutdown_signal()).await?;
+            wrk_scheduler::serve(listener, Some(http), config, shutdown_signal()).await?;
             Ok(())
         }
         Command::Worker(args) => {
@@ -242,6 +258,7 @@ async fn main() -> Result<()> {
                     default_task_timeout: Duration::from_secs_f64(args.task_timeout_secs.max(0.01)),
                 },
                 connect_timeout: Duration::from_secs(30),
+                metrics_listen: args.metrics_listen,
             };
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())
@@ -306,6 +323,7 @@ async fn submit(args: SubmitArgs) -> Result<()> {
                     .cluster
                     .cache_dir
                     .or_else(wrk_host::engine::default_cache_dir),
+                http: None,
             })
             .await?;
             cluster
@@ -340,7 +358,7 @@ async fn submit(args: SubmitArgs) -> Result<()> {
     Ok(())
 }
 
-async fn up(cluster: ClusterArgs, listen: SocketAddr) -> Result<()> {
+async fn up(cluster: ClusterArgs, listen: SocketAddr, http_listen: SocketAddr) -> Result<()> {
     let workers = cluster.workers.unwrap_or_else(default_workers);
     let local = LocalCluster::start(LocalClusterConfig {
         workers,
@@ -349,14 +367,16 @@ async fn up(cluster: ClusterArgs, listen: SocketAddr) -> Result<()> {
         cache_dir: cluster
             .cache_dir
             .or_else(wrk_host::engine::default_cache_dir),
+        http: Some(http_listen),
     })
     .await?;
     local
         .wait_for_workers(workers, Duration::from_secs(30))
         .await?;
     eprintln!(
-        "wrk local cluster up: scheduler {} with {workers} workers; Ctrl-C stops it",
-        local.scheduler_url
+        "wrk local cluster up: scheduler {} with {workers} workers, metrics on {}/metrics; Ctrl-C stops it",
+        local.scheduler_url,
+        local.http_url.as_deref().unwrap_or("(none)")
     );
     shutdown_signal().await;
     local.shutdown().await;
@@ -368,14 +388,19 @@ async fn status(url: &str) -> Result<()> {
     println!("workers: {}", status.workers.len());
     for w in &status.workers {
         println!(
-            "  {:<24} {:<28} {:<6} tasks {}/{}  partitions {}  memory {:.1} MiB",
+            "  {:<24} {:<28} {:<6} tasks {}/{}  partitions {}  memory {:.1} MiB  {}",
             w.worker_id,
             w.data_address,
             w.device,
             w.running_tasks,
             w.slots,
             w.partitions,
-            w.pool_used_bytes as f64 / (1 << 20) as f64
+            w.pool_used_bytes as f64 / (1 << 20) as f64,
+            if w.http_address.is_empty() {
+                String::new()
+            } else {
+                format!("metrics {}/metrics", w.http_address)
+            }
         );
     }
     let advice = client::connect(url)

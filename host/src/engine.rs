@@ -20,6 +20,7 @@ use crate::guest_api::bindings::{Task, TaskPre};
 use crate::guest_api::{CopyStats, TaskInfo, TaskState, WIT_PACKAGE, WIT_VERSION};
 use crate::limits::{MemoryLimitExceeded, MemoryLimiter};
 use crate::table::Table;
+use prometheus::IntCounterVec;
 
 /// How often the epoch advances; task deadlines are counted in these ticks.
 const EPOCH_TICK: Duration = Duration::from_millis(10);
@@ -162,6 +163,8 @@ pub struct TaskEngine {
     compiled: Mutex<HashMap<String, Arc<CompiledTask>>>,
     cache_dir: Option<PathBuf>,
     config: EngineConfig,
+    /// Components prepared, by where they came from: `memory`, `disk` or `compiled`.
+    cache_outcomes: IntCounterVec,
     _ticker: EpochTicker,
 }
 
@@ -224,6 +227,7 @@ impl TaskEngine {
             compiled: Mutex::new(HashMap::new()),
             cache_dir,
             config,
+            cache_outcomes: crate::metrics::compile_cache_counter(),
         })
     }
 
@@ -238,7 +242,20 @@ impl TaskEngine {
 
     /// The compiled component for `hash`, if this engine already has it in memory.
     pub fn cached(&self, hash: &str) -> Option<Arc<CompiledTask>> {
-        self.compiled.lock().ok()?.get(hash).cloned()
+        let found = self.compiled.lock().ok()?.get(hash).cloned();
+        if found.is_some() {
+            self.count_cache("memory");
+        }
+        found
+    }
+
+    /// The counter of compile-cache outcomes, for the worker's metrics.
+    pub fn cache_outcomes(&self) -> IntCounterVec {
+        self.cache_outcomes.clone()
+    }
+
+    fn count_cache(&self, outcome: &str) {
+        self.cache_outcomes.with_label_values(&[outcome]).inc();
     }
 
     /// Compiles `wasm` (or loads it from the disk cache) and links it; once per content hash.
@@ -285,6 +302,7 @@ impl TaskEngine {
 
     fn load_component(&self, hash: &str, wasm: &[u8]) -> wasmtime::Result<Component> {
         let Some(dir) = &self.cache_dir else {
+            self.count_cache("compiled");
             return Component::new(&self.engine, wasm);
         };
         let path = dir.join(format!("{hash}.cwasm"));
@@ -296,13 +314,17 @@ impl TaskEngine {
             // owned by the worker; deserialization checks the header and engine settings, and a
             // damaged file fails it and is rebuilt below.
             match unsafe { Component::deserialize(&self.engine, &bytes) } {
-                Ok(component) => return Ok(component),
+                Ok(component) => {
+                    self.count_cache("disk");
+                    return Ok(component);
+                }
                 Err(e) => {
                     tracing::warn!(path = %path.display(), "discarding unreadable compiled component: {e:#}")
                 }
             }
         }
         let component = Component::new(&self.engine, wasm)?;
+        self.count_cache("compiled");
         if let Err(e) = self.store_compiled(&path, &component) {
             tracing::warn!(path = %path.display(), "cannot cache compiled component: {e:#}");
         }

@@ -9,6 +9,7 @@
 //! - [`expr`], [`table`], [`cpu`]: expressions, tables and the CPU (Arrow) backend.
 //! - [`io`]: Parquet sources and sinks.
 //! - [`store`]: the worker's partitions.
+//! - [`metrics`]: the worker's Prometheus metrics.
 //! - [`transfer`]: the peer-to-peer partition service and client.
 //! - [`worker`]: the worker process: scheduler channel, task execution.
 
@@ -18,6 +19,7 @@ pub mod expr;
 pub mod guest_api;
 pub mod io;
 pub mod limits;
+pub mod metrics;
 pub mod store;
 pub mod table;
 pub mod transfer;

@@ -13,6 +13,7 @@ use wrk_proto::worker_client::WorkerClient;
 use wrk_proto::worker_server::Worker;
 use wrk_proto::{DataChunk, MAX_MESSAGE_BYTES, PartitionKey};
 
+use crate::metrics::WorkerMetrics;
 use crate::store::{PartitionId, PartitionStore};
 use crate::table::{Table, decode_ipc, encode_ipc};
 
@@ -41,11 +42,16 @@ pub enum TransferError {
 pub struct DataService {
     worker_id: String,
     store: Arc<PartitionStore>,
+    metrics: WorkerMetrics,
 }
 
 impl DataService {
-    pub fn new(worker_id: String, store: Arc<PartitionStore>) -> Self {
-        DataService { worker_id, store }
+    pub fn new(worker_id: String, store: Arc<PartitionStore>, metrics: WorkerMetrics) -> Self {
+        DataService {
+            worker_id,
+            store,
+            metrics,
+        }
     }
 }
 
@@ -70,6 +76,7 @@ impl Worker for DataService {
             .await
             .map_err(|e| Status::internal(format!("encoding partition {key}: {e}")))?
             .map_err(|e| Status::internal(format!("encoding partition {key}: {e}")))?;
+        self.metrics.count_transfer("served", bytes.len());
         let bytes = bytes::Bytes::from(bytes);
         let chunks: Vec<Result<DataChunk, Status>> = (0..bytes.len().max(1))
             .step_by(CHUNK_BYTES)
@@ -85,14 +92,23 @@ impl Worker for DataService {
 }
 
 /// Fetches partitions from peers, keeping one connection per peer address.
-#[derive(Debug, Default, Clone)]
+#[derive(Default, Clone)]
 pub struct PeerClient {
     channels: Arc<Mutex<HashMap<String, Channel>>>,
+    metrics: Option<WorkerMetrics>,
 }
 
 impl PeerClient {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A client that counts the bytes it fetches in a worker's metrics.
+    pub fn with_metrics(metrics: WorkerMetrics) -> Self {
+        PeerClient {
+            channels: Arc::default(),
+            metrics: Some(metrics),
+        }
     }
 
     async fn channel(&self, address: &str) -> Result<Channel, TransferError> {
@@ -140,6 +156,9 @@ impl PeerClient {
             .map_err(|s| fetch_err(s.message().to_string()))?
         {
             bytes.extend_from_slice(&chunk.ipc);
+        }
+        if let Some(metrics) = &self.metrics {
+            metrics.count_transfer("fetched", bytes.len());
         }
         let (address, key_text) = (address.to_string(), key.to_string());
         let batch = tokio::task::spawn_blocking(move || decode_ipc(&bytes))

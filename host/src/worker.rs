@@ -22,6 +22,7 @@ use wrk_proto::{
 
 use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
 use crate::guest_api::{TaskInfo, WIT_VERSION};
+use crate::metrics::WorkerMetrics;
 use crate::store::{PartitionId, PartitionStore};
 use crate::table::Table;
 use crate::transfer::{DataService, PeerClient};
@@ -40,6 +41,8 @@ pub struct WorkerConfig {
     pub engine: EngineConfig,
     /// How long to keep trying to reach the scheduler at start.
     pub connect_timeout: Duration,
+    /// Where to serve `/metrics` (Prometheus) and `/healthz`; `None` serves no HTTP.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +78,7 @@ struct Shared {
     peers: PeerClient,
     scheduler: SchedulerClient<Channel>,
     outbox: mpsc::Sender<WorkerMessage>,
+    metrics: WorkerMetrics,
     /// One permit per slot: the scheduler may queue more tasks here than run at once.
     slots: tokio::sync::Semaphore,
     running: std::sync::atomic::AtomicU32,
@@ -110,6 +114,8 @@ pub async fn run(
     let worker_id = config.worker_id.clone().unwrap_or_else(default_worker_id);
     let engine = TaskEngine::new(config.engine.clone())?;
     let store = Arc::new(PartitionStore::new());
+    let metrics = WorkerMetrics::new(engine.cache_outcomes());
+    metrics.slots.set(i64::from(config.slots.max(1)));
 
     let listener =
         TcpListener::bind(config.listen)
@@ -130,8 +136,12 @@ pub async fn run(
         .unwrap_or_else(|| advertise_ip(local));
     let data_address = format!("http://{host}:{}", local.port());
     let (stop_data, data_stopped) = tokio::sync::oneshot::channel::<()>();
-    let data_service = WorkerServer::new(DataService::new(worker_id.clone(), store.clone()))
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let data_service = WorkerServer::new(DataService::new(
+        worker_id.clone(),
+        store.clone(),
+        metrics.clone(),
+    ))
+    .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let data_server = tokio::spawn(
         Server::builder()
             .add_service(data_service)
@@ -140,6 +150,17 @@ pub async fn run(
             }),
     );
 
+    let (metrics_server, http_address) = match config.metrics_listen {
+        Some(address) => {
+            let (server, bound) = serve_metrics(address, metrics.clone(), store.clone()).await?;
+            let host = config
+                .advertise_host
+                .clone()
+                .unwrap_or_else(|| advertise_ip(bound));
+            (Some(server), format!("http://{host}:{}", bound.port()))
+        }
+        None => (None, String::new()),
+    };
     let channel = connect_with_retry(&config.scheduler, config.connect_timeout).await?;
     let mut scheduler = SchedulerClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -152,6 +173,7 @@ pub async fn run(
         device: "cpu".into(),
         pool_bytes: 0,
         wit_version: WIT_VERSION.into(),
+        http_address,
     };
     let _ = outbox
         .send(WorkerMessage {
@@ -197,7 +219,8 @@ pub async fn run(
         worker_id: worker_id.clone(),
         engine,
         store,
-        peers: PeerClient::new(),
+        peers: PeerClient::with_metrics(metrics.clone()),
+        metrics,
         scheduler,
         outbox: outbox.clone(),
         slots: tokio::sync::Semaphore::new(config.slots.max(1) as usize),
@@ -239,7 +262,51 @@ pub async fn run(
     };
     let _ = stop_data.send(());
     let _ = data_server.await;
+    if let Some(server) = metrics_server {
+        server.abort();
+    }
     result
+}
+
+/// Serves `/metrics` and `/healthz` on `address` until aborted.
+async fn serve_metrics(
+    address: SocketAddr,
+    metrics: WorkerMetrics,
+    store: Arc<PartitionStore>,
+) -> Result<(tokio::task::JoinHandle<()>, SocketAddr), WorkerError> {
+    let listener = TcpListener::bind(address)
+        .await
+        .map_err(|source| WorkerError::Listen { address, source })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| WorkerError::Listen { address, source })?;
+    let router = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let (metrics, store) = (metrics.clone(), store.clone());
+                async move {
+                    let stats = store.stats();
+                    metrics.partitions.set(stats.partitions as i64);
+                    metrics.partition_bytes.set(stats.bytes as i64);
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4; charset=utf-8",
+                        )],
+                        metrics.render(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok\n" }));
+    tracing::info!("worker metrics on http://{bound}/metrics");
+    let server = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::warn!("worker metrics server stopped: {e}");
+        }
+    });
+    Ok((server, bound))
 }
 
 fn default_worker_id() -> String {
@@ -286,8 +353,20 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask) {
         return; // the semaphore is never closed
     };
     shared.running.fetch_add(1, Ordering::Relaxed);
+    shared.metrics.running_tasks.inc();
     let outcome = execute(&shared, task).await;
+    shared.metrics.running_tasks.dec();
     shared.running.fetch_sub(1, Ordering::Relaxed);
+    let outcome_label = if outcome.is_ok() {
+        "succeeded"
+    } else {
+        "failed"
+    };
+    shared
+        .metrics
+        .tasks_finished
+        .with_label_values(&[outcome_label])
+        .inc();
     let message = match outcome {
         Ok((outputs, stats)) => {
             let metas = outputs
@@ -377,6 +456,22 @@ async fn execute(
             .await
             .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?
             .map_err(Failure::fatal)?;
+    let metrics = &shared.metrics;
+    metrics
+        .task_duration
+        .observe(started.elapsed().as_secs_f64());
+    metrics
+        .instantiate_duration
+        .observe(run.instantiate.as_secs_f64());
+    for (direction, bytes) in [
+        ("into_guest", run.copies.into_guest_bytes),
+        ("out_of_guest", run.copies.out_of_guest_bytes),
+    ] {
+        metrics
+            .guest_copy_bytes
+            .with_label_values(&[direction])
+            .inc_by(bytes);
+    }
     let stats = TaskStats {
         duration_us: started.elapsed().as_micros() as u64,
         prepare_us: (prepare + run.instantiate).as_micros() as u64,

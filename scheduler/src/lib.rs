@@ -6,10 +6,12 @@
 //!
 //! - [`graph`]: validation of submitted job graphs.
 //! - [`state`]: the task state machine, placement, retries, recovery from lost workers.
-//! - [`service`]: the tonic service and [`serve`].
+//! - [`metrics`]: Prometheus metrics.
+//! - [`service`]: the tonic service, the HTTP endpoints and [`serve`].
 
 pub mod graph;
+pub mod metrics;
 pub mod service;
 pub mod state;
 
-pub use service::{SchedulerConfig, SchedulerService, serve};
+pub use service::{SchedulerConfig, SchedulerService, ServeError, serve};

@@ -283,21 +283,84 @@ impl Scheduler for SchedulerService {
     }
 }
 
-/// Serves the scheduler on `listener` until `shutdown` resolves.
+/// The content type of the Prometheus text format.
+pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+impl SchedulerService {
+    /// The scheduler's metrics in the Prometheus text format.
+    pub fn metrics_text(&self) -> String {
+        self.state().render_metrics()
+    }
+
+    /// The HTTP endpoints: `/metrics` (Prometheus) and `/healthz`.
+    fn http_router(&self) -> axum::Router {
+        let service = self.clone();
+        axum::Router::new()
+            .route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let service = service.clone();
+                    async move {
+                        (
+                            [(axum::http::header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)],
+                            service.metrics_text(),
+                        )
+                    }
+                }),
+            )
+            .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+    }
+}
+
+/// Why the scheduler stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("the gRPC server failed: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    #[error("the HTTP server failed: {0}")]
+    Http(#[from] std::io::Error),
+}
+
+/// Serves the scheduler's gRPC API on `listener`, and its HTTP endpoints (metrics, health) on
+/// `http` when given, until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
+    http: Option<TcpListener>,
     config: SchedulerConfig,
     shutdown: impl Future<Output = ()>,
-) -> Result<(), tonic::transport::Error> {
+) -> Result<(), ServeError> {
     let service = SchedulerService::new(config);
     let reaper = service.spawn_reaper();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let http_server = http.map(|listener| {
+        let router = service.http_router();
+        let mut stopped = stopped.clone();
+        tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await
+        })
+    });
     let server = SchedulerServer::new(service)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let result = Server::builder()
         .add_service(server)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            shutdown.await;
+            let _ = stop.send(true);
+        })
         .await;
+    let _ = stop.send(true);
     reaper.abort();
-    result
+    result?;
+    if let Some(http) = http_server {
+        match http.await {
+            Ok(result) => result?,
+            Err(join) => return Err(ServeError::Http(std::io::Error::other(join))),
+        }
+    }
+    Ok(())
 }

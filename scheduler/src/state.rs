@@ -8,6 +8,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
+
+use crate::metrics::SchedulerMetrics;
 use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::stage_input::Pattern;
 use wrk_proto::{
@@ -99,6 +101,7 @@ struct Job {
 
 struct Worker {
     address: String,
+    http_address: String,
     slots: u32,
     /// Tasks assigned to the worker: running, or queued there.
     running: HashSet<(u64, u32, u32)>,
@@ -141,6 +144,7 @@ pub struct State {
     /// taken, so a full or departed worker may linger until then).
     idle: VecDeque<String>,
     next_job: u64,
+    metrics: SchedulerMetrics,
 }
 
 fn is_terminal(state: JobState) -> bool {
@@ -301,6 +305,7 @@ impl State {
             register.worker_id.clone(),
             Worker {
                 address: register.data_address.clone(),
+                http_address: register.http_address.clone(),
                 slots: register.slots.max(1),
                 running: HashSet::new(),
                 idle_queued: false,
@@ -342,6 +347,7 @@ impl State {
             });
         }
         self.next_job += 1;
+        self.metrics.jobs_submitted.inc();
         let number = self.next_job;
         let id = format!("job-{number:06}");
         let mut consumers = vec![Vec::new(); spec.stages.len()];
@@ -615,11 +621,21 @@ impl State {
             },
         );
         job.tasks[task.stage as usize][task.index as usize].workers_lost = 0;
+        let stage = job.spec.stages[task.stage as usize].name.clone();
         if let Some(stats) = done.stats {
+            let seconds = stats.duration_us as f64 / 1e6;
             let entry = &mut job.durations[task.stage as usize];
-            entry.0 += stats.duration_us as f64 / 1e6;
+            entry.0 += seconds;
             entry.1 += 1;
+            self.metrics
+                .task_duration
+                .with_label_values(&[stage.as_str()])
+                .observe(seconds);
         }
+        self.metrics
+            .tasks_finished
+            .with_label_values(&[stage.as_str(), "succeeded"])
+            .inc();
         for &(consumer, pattern) in &job.consumers[task.stage as usize] {
             let indices: Vec<u32> = match pattern {
                 Pattern::OneToOne => vec![task.index],
@@ -665,7 +681,13 @@ impl State {
         let attempts = job.tasks[task.stage as usize][task.index as usize].attempts;
         let stage_name = job.spec.stages[task.stage as usize].name.clone();
         job.set_status(task.stage, task.index, TaskStatus::Ready);
-        if failed.retriable && attempts < MAX_ATTEMPTS {
+        let retry = failed.retriable && attempts < MAX_ATTEMPTS;
+        let outcome = if retry { "retried" } else { "failed" };
+        self.metrics
+            .tasks_finished
+            .with_label_values(&[stage_name.as_str(), outcome])
+            .inc();
+        if retry {
             tracing::warn!(job = %job.id, stage = %stage_name, task = task.index, "retrying after: {}", failed.error);
             // Its inputs may be gone with a lost peer: recount puts it (and anything else
             // affected) back to waiting until they are recomputed.
@@ -862,6 +884,9 @@ impl State {
         let Some(worker) = self.workers.remove(worker_id) else {
             return Vec::new();
         };
+        if reason != WORKER_LEFT {
+            self.metrics.workers_lost.inc();
+        }
         let mut rerun = 0usize;
         let mut recompute = 0usize;
         let mut poisoned: Vec<(u64, String)> = Vec::new();
@@ -944,6 +969,52 @@ impl State {
         out
     }
 
+    /// The Prometheus text exposition of the scheduler's metrics, gauges read now.
+    pub fn render_metrics(&self) -> String {
+        let m = &self.metrics;
+        m.workers.set(self.workers.len() as i64);
+        m.ready_queue.set(self.ready.len() as i64);
+        m.worker_memory_used.reset();
+        m.worker_assigned.reset();
+        for (id, w) in &self.workers {
+            m.worker_memory_used
+                .with_label_values(&[id.as_str()])
+                .set(w.pool_used_bytes as i64);
+            m.worker_assigned
+                .with_label_values(&[id.as_str()])
+                .set(w.running.len() as i64);
+        }
+        let (mut pending, mut running, mut done) = (0i64, 0i64, 0i64);
+        let mut jobs: HashMap<&'static str, i64> = HashMap::new();
+        for job in self.jobs.values() {
+            let state = match job.state {
+                JobState::Pending => "pending",
+                JobState::Running => "running",
+                JobState::Succeeded => "succeeded",
+                JobState::Failed => "failed",
+                JobState::Cancelled => "cancelled",
+                JobState::Unspecified => "unspecified",
+            };
+            *jobs.entry(state).or_default() += 1;
+            if is_terminal(job.state) {
+                continue;
+            }
+            let job_running: u32 = job.running.iter().sum();
+            let job_done: u32 = job.done.iter().sum();
+            running += i64::from(job_running);
+            done += i64::from(job_done);
+            pending += job.remaining as i64 - i64::from(job_running);
+        }
+        for (state, value) in [("pending", pending), ("running", running), ("done", done)] {
+            m.tasks.with_label_values(&[state]).set(value);
+        }
+        m.jobs.reset();
+        for (state, count) in jobs {
+            m.jobs.with_label_values(&[state]).set(count);
+        }
+        m.render()
+    }
+
     /// The worker a task attempt is running on, if it is running.
     pub fn worker_of(&self, id: &TaskId) -> Option<String> {
         let job = self.jobs.get(self.job_ids.get(&id.job_id)?)?;
@@ -1009,6 +1080,7 @@ impl State {
                 pool_bytes: w.pool_bytes,
                 pool_used_bytes: w.pool_used_bytes,
                 partitions: w.partitions,
+                http_address: w.http_address.clone(),
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));

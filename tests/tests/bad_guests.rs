@@ -38,6 +38,7 @@ async fn bad_guests_fail_their_task_and_the_worker_keeps_serving() {
         slots_per_worker: 2,
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         cache_dir: None,
+        http: None,
     })
     .await
     .unwrap();

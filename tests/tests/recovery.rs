@@ -31,6 +31,8 @@ fn start_scheduler(processes: &mut Processes) -> (String, Arc<Mutex<Vec<String>>
             "scheduler",
             "--listen",
             "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
             "--heartbeat-ms",
             "100",
             "--worker-timeout-secs",

@@ -57,7 +57,13 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
     let data = taxi_dataset(90_000, 2, 15_000);
     let mut processes = Processes(Vec::new());
     let mut scheduler = Command::new(wrk())
-        .args(["scheduler", "--listen", "127.0.0.1:0"])
+        .args([
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ])
         .stderr(Stdio::piped())
         .spawn()
         .expect("start wrk scheduler");

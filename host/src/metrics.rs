@@ -1,0 +1,146 @@
+//! The worker's Prometheus metrics: counters and histograms updated as tasks run and data moves,
+//! gauges read when scraped, rendered in the Prometheus text format (0.0.4).
+
+use prometheus::{
+    Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    exponential_buckets,
+};
+
+/// Every metric a worker exports. Cloning shares the same series.
+#[derive(Clone)]
+pub struct WorkerMetrics {
+    registry: Registry,
+    pub tasks_finished: IntCounterVec,
+    pub task_duration: Histogram,
+    pub instantiate_duration: Histogram,
+    pub guest_copy_bytes: IntCounterVec,
+    pub transfer_bytes: IntCounterVec,
+    pub running_tasks: IntGauge,
+    pub slots: IntGauge,
+    pub partitions: IntGauge,
+    pub partition_bytes: IntGauge,
+}
+
+fn opts(name: &str, help: &str) -> Opts {
+    Opts::new(name, help).namespace("wrk").subsystem("worker")
+}
+
+/// The counter of compile-cache outcomes (`memory`, `disk`, `compiled`), owned by the engine
+/// and registered by the worker.
+pub fn compile_cache_counter() -> IntCounterVec {
+    IntCounterVec::new(
+        opts(
+            "compile_cache_total",
+            "Components prepared for tasks, by where they came from (memory, disk, compiled)",
+        ),
+        &["outcome"],
+    )
+    .unwrap_or_else(|e| panic!("invalid worker metric definition: {e}"))
+}
+
+/// Registers a metric whose definition is fixed in this file: failure is a programming error
+/// (a duplicate or malformed name), caught by the tests.
+fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
+    registry
+        .register(Box::new(metric.clone()))
+        .unwrap_or_else(|e| panic!("invalid worker metric definition: {e}"));
+    metric
+}
+
+impl WorkerMetrics {
+    /// The metrics of one worker; `compile_cache` is the engine's cache-outcome counter.
+    pub fn new(compile_cache: IntCounterVec) -> Self {
+        let registry = Registry::new();
+        register(&registry, compile_cache);
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            register(
+                &registry,
+                IntCounterVec::new(opts(name, help), labels).unwrap_or_else(|e| panic!("{e}")),
+            )
+        };
+        let gauge = |name: &str, help: &str| {
+            register(
+                &registry,
+                IntGauge::with_opts(opts(name, help)).unwrap_or_else(|e| panic!("{e}")),
+            )
+        };
+        let histogram = |name: &str, help: &str, start: f64| {
+            let buckets = exponential_buckets(start, 2.0, 20).unwrap_or_default();
+            let opts = HistogramOpts::new(name, help)
+                .namespace("wrk")
+                .subsystem("worker")
+                .buckets(buckets);
+            register(
+                &registry,
+                Histogram::with_opts(opts).unwrap_or_else(|e| panic!("{e}")),
+            )
+        };
+        WorkerMetrics {
+            tasks_finished: counter_vec(
+                "tasks_finished_total",
+                "Task attempts that ended, by outcome",
+                &["outcome"],
+            ),
+            task_duration: histogram(
+                "task_duration_seconds",
+                "Wall time of task attempts, inputs to outputs",
+                0.0005,
+            ),
+            instantiate_duration: histogram(
+                "instantiate_duration_seconds",
+                "Time to instantiate a compiled component for one task",
+                0.000_005,
+            ),
+            guest_copy_bytes: counter_vec(
+                "guest_copy_bytes_total",
+                "Bytes tasks explicitly copied between host tables and guest memory, by direction",
+                &["direction"],
+            ),
+            transfer_bytes: counter_vec(
+                "transfer_bytes_total",
+                "Partition bytes moved between workers, by direction and transport",
+                &["direction", "transport"],
+            ),
+            running_tasks: gauge("running_tasks", "Tasks running now"),
+            slots: gauge("slots", "Tasks the worker runs at once"),
+            partitions: gauge("partitions", "Partitions held"),
+            partition_bytes: gauge("partition_bytes", "Bytes of partitions held"),
+            registry,
+        }
+    }
+
+    /// Counts bytes moved over TCP in one direction (`fetched` or `served`).
+    pub fn count_transfer(&self, direction: &'static str, bytes: usize) {
+        self.transfer_bytes
+            .with_label_values(&[direction, "tcp"])
+            .inc_by(bytes as u64);
+    }
+
+    pub fn render(&self) -> String {
+        TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_else(|e| format!("# encoding metrics failed: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_defined_and_rendered() {
+        let metrics = WorkerMetrics::new(compile_cache_counter());
+        metrics.count_transfer("served", 10);
+        let text = metrics.render();
+        assert!(
+            text.contains("# TYPE wrk_worker_transfer_bytes_total counter"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"wrk_worker_transfer_bytes_total{direction="served",transport="tcp"} 10"#
+            ),
+            "{text}"
+        );
+    }
+}

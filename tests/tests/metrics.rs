@@ -1,0 +1,170 @@
+//! Prometheus metrics of a running local cluster: the scheduler's and every worker's `/metrics`
+//! pass `promtool check metrics` (Debian's `prometheus` package; `tests/run.sh` installs it), and
+//! their values move as a job runs.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use wrk_cli::job::{self, Overrides};
+use wrk_cli::local::{LocalCluster, LocalClusterConfig};
+
+/// A plain HTTP/1.1 GET; returns the body after checking the status and content type.
+fn scrape(base: &str) -> String {
+    let address = base.trim_start_matches("http://");
+    let mut stream = TcpStream::connect(address).expect("connect to the metrics endpoint");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .expect("read the response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body.to_string()
+}
+
+/// `promtool check metrics` on the exposition; panics with its findings.
+fn promtool_check(what: &str, text: &str) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool is needed: install Debian's `prometheus` package (tests/run.sh does)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "promtool rejects the {what} metrics:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The value of the series whose line starts with `series` (name and labels), or 0.
+fn value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
+    let data = taxi_dataset(40_000, 2, 10_000);
+    let cluster = LocalCluster::start(LocalClusterConfig {
+        workers: 2,
+        slots_per_worker: 2,
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        cache_dir: None,
+        http: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+    })
+    .await
+    .unwrap();
+    cluster
+        .wait_for_workers(2, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let scheduler_http = cluster.http_url.clone().expect("the scheduler serves HTTP");
+
+    let before = scrape(&scheduler_http);
+    promtool_check("scheduler", &before);
+    assert_eq!(value(&before, "wrk_scheduler_workers"), 2.0);
+    assert_eq!(value(&before, "wrk_scheduler_jobs_submitted_total"), 0.0);
+
+    let overrides = Overrides {
+        sources: vec![("trips".into(), data.path().display().to_string())],
+        ..Overrides::default()
+    };
+    let _ = guest("taxi-haversine");
+    let spec = job::plan(
+        &workspace_root().join("guest-examples/taxi-haversine/job.toml"),
+        &overrides,
+    )
+    .unwrap();
+    let outcome = wrk_cli::client::run_job(&cluster.scheduler_url, spec, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome.tasks, 3,
+        "two files: two `distance` tasks and one `summary`"
+    );
+
+    let after = scrape(&scheduler_http);
+    promtool_check("scheduler", &after);
+    assert_eq!(value(&after, "wrk_scheduler_jobs_submitted_total"), 1.0);
+    assert_eq!(
+        value(
+            &after,
+            r#"wrk_scheduler_tasks_finished_total{outcome="succeeded",stage="distance"}"#
+        ),
+        2.0,
+        "{after}"
+    );
+    assert_eq!(
+        value(
+            &after,
+            r#"wrk_scheduler_tasks_finished_total{outcome="succeeded",stage="summary"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        value(
+            &after,
+            r#"wrk_scheduler_task_duration_seconds_count{stage="distance"}"#
+        ),
+        2.0
+    );
+    assert!(
+        value(
+            &after,
+            r#"wrk_scheduler_task_duration_seconds_sum{stage="distance"}"#
+        ) > 0.0
+    );
+
+    // Every worker serves its own metrics, at the address it registered.
+    let status = wrk_cli::client::cluster_status(&cluster.scheduler_url)
+        .await
+        .unwrap();
+    let mut worker_tasks = 0.0;
+    for worker in &status.workers {
+        assert!(
+            !worker.http_address.is_empty(),
+            "worker {} registered no metrics address",
+            worker.worker_id
+        );
+        let text = scrape(&worker.http_address);
+        promtool_check(&format!("worker {}", worker.worker_id), &text);
+        worker_tasks += value(
+            &text,
+            r#"wrk_worker_tasks_finished_total{outcome="succeeded"}"#,
+        );
+        assert_eq!(value(&text, "wrk_worker_slots"), 2.0);
+    }
+    assert_eq!(worker_tasks, 3.0, "the workers ran the job's three tasks");
+    cluster.shutdown().await;
+}
