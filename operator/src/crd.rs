@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 pub const GROUP: &str = "wrk.dev";
 
 /// A `wrk` cluster: one scheduler and groups of workers, one worker per GPU (or MIG slice).
+// Each `printcolumn(...)` repeats `type_`: not a duplicate, though clippy reads it so.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "wrk.dev",
@@ -276,6 +278,8 @@ pub struct PendingPod {
 
 /// A job file run on a `wrk` cluster: an existing one named by `cluster`, or an ephemeral one
 /// created from `ephemeralCluster` and deleted with the job.
+// Each `printcolumn(...)` repeats `type_`: not a duplicate, though clippy reads it so.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "wrk.dev",

@@ -130,6 +130,8 @@ start() {
     local etcd_port=${WRK_K8S_ETCD_PORT:-2379}
     local peer_port=${WRK_K8S_ETCD_PEER_PORT:-2380}
     : >"$dir/pids"
+    # On any failure below: show the logs' ends and stop what was started.
+    trap 'log "start failed"; tail -n 20 "$dir"/*.log >&2 || true; stop "$dir"' ERR
 
     # Tokens: an admin in system:masters, and the users the built-in RBAC roles name.
     local admin_token sched_token kcm_token
@@ -200,10 +202,13 @@ EOF
         >"$dir/kube-scheduler.log" 2>&1 &
     echo "$!" >>"$dir/pids"
 
+    # Each controller acts as its own service account (system:controller:* roles): the
+    # system:kube-controller-manager user alone may not create ReplicaSets or Pods.
     "$BIN/kube-controller-manager" --kubeconfig "$dir/controller-manager.kubeconfig" \
         --leader-elect=false --port 0 --secure-port 0 \
         --controllers deployment,replicaset,garbagecollector,serviceaccount,serviceaccount-token,namespace \
         --service-account-private-key-file "$dir/sa.key" \
+        --use-service-account-credentials \
         >"$dir/kube-controller-manager.log" 2>&1 &
     echo "$!" >>"$dir/pids"
 
@@ -221,6 +226,7 @@ EOF
     echo "  kubeconfig: $dir/kubeconfig   e.g. KUBECONFIG=$dir/kubeconfig kubectl get nodes"
     echo "  logs:       $dir/*.log"
     echo "  stop:       $0 stop $dir"
+    trap - ERR
 }
 
 stop() {

@@ -176,6 +176,7 @@ pub async fn reconcile(cluster: Arc<WrkCluster>, ctx: Arc<Context>) -> Result<Ac
     status.ready_workers = status.worker_groups.iter().map(|g| g.ready).sum();
     status.scheduler_address = Some(address);
 
+    let worker_names: BTreeSet<String> = workers.iter().map(|p| p.name_any()).collect();
     let all_pods: Vec<Pod> = scheduler_pods.into_iter().chain(workers).collect();
     let any_pending = all_pods.iter().any(|p| {
         matches!(
@@ -196,7 +197,7 @@ pub async fn reconcile(cluster: Arc<WrkCluster>, ctx: Arc<Context>) -> Result<Ac
     status.pending_workers = status
         .pending_pods
         .iter()
-        .filter(|p| !p.name.starts_with(&render::scheduler_name(&name)))
+        .filter(|p| worker_names.contains(&p.name))
         .count() as u32;
 
     let available = deployment
