@@ -72,6 +72,11 @@ enum Command {
     },
     /// Run one task on one Parquet file, without a cluster.
     Run(RunArgs),
+    /// The Kubernetes operator: print its CRDs or installation manifests, or run it.
+    Operator {
+        #[command(subcommand)]
+        command: wrk_operator::cli::OperatorCommand,
+    },
     /// Write a deterministic taxi-trip dataset (Parquet) for the haversine example.
     GenTaxi {
         #[arg(long, default_value = "data/taxi")]
@@ -276,6 +281,7 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Run(args) => run_one(args).await,
+        Command::Operator { command } => Ok(wrk_operator::cli::run(command).await?),
         Command::GenTaxi {
             out,
             rows,

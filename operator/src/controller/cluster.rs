@@ -1,0 +1,446 @@
+//! Reconciliation of a `WrkCluster`: validate, server-side apply the scheduler Deployment and
+//! Service, keep each worker group at its target number of pods (retiring only pods the scheduler
+//! reports safe, or that never became ready), then write the status: conditions,
+//! `observedGeneration`, counts, and pods pending past the timeout with the reason from their
+//! events. Deletion needs no code: every child carries an owner reference to the cluster and the
+//! garbage collector removes it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Event, Pod, Service};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tracing::{info, warn};
+
+use super::Context;
+use crate::Error;
+use crate::crd::{WorkerGroupSpec, WorkerGroupStatus, WrkCluster, WrkClusterStatus};
+use crate::render::{
+    self, ANNOTATION_SPEC_HASH, FIELD_MANAGER, LABEL_GROUP, component_selector, scheduler_address,
+    selector_string, worker,
+};
+use crate::scaling::{self, Advice, Worker};
+use crate::status::{pending_pods, set_condition};
+use crate::validate;
+
+/// Server-side applies `object` (forcing ownership of the fields the operator sets).
+pub(crate) async fn apply<K>(api: &Api<K>, object: &K) -> Result<K, Error>
+where
+    K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
+{
+    let name = object
+        .meta()
+        .name
+        .clone()
+        .ok_or(Error::MissingField("metadata.name"))?;
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    Ok(api.patch(&name, &params, &Patch::Apply(object)).await?)
+}
+
+fn is_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn is_finished(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Failed" | "Succeeded")
+    )
+}
+
+fn is_bound(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_ref())
+        .is_some()
+}
+
+fn spec_hash(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .annotations
+        .as_ref()?
+        .get(ANNOTATION_SPEC_HASH)
+        .map(String::as_str)
+}
+
+/// Reconciles one `WrkCluster`.
+pub async fn reconcile(cluster: Arc<WrkCluster>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let name = cluster.name_any();
+    let namespace = cluster
+        .namespace()
+        .ok_or(Error::MissingField("metadata.namespace"))?;
+    let generation = cluster.metadata.generation;
+    let clusters: Api<WrkCluster> = Api::namespaced(ctx.client.clone(), &namespace);
+    let mut status = cluster.status.clone().unwrap_or_default();
+    status.observed_generation = generation;
+    let now = Timestamp::now();
+
+    if let Err(problems) = validate::cluster(&name, &cluster.spec) {
+        let message = problems.join("; ");
+        warn!(cluster = %name, %namespace, %message, "invalid WrkCluster");
+        set_condition(
+            &mut status.conditions,
+            "Ready",
+            false,
+            "InvalidSpec",
+            message,
+            generation,
+            now,
+        );
+        write_status(&clusters, &name, &status).await?;
+        return Ok(Action::await_change());
+    }
+
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
+    apply(&services, &render::scheduler::service(&cluster)?).await?;
+    let deployment = apply(&deployments, &render::scheduler::deployment(&cluster)?).await?;
+    let address = scheduler_address(&name, &namespace);
+
+    // Worker groups.
+    let worker_selector = selector_string(&component_selector(&name, worker::COMPONENT));
+    let existing = pods
+        .list(&ListParams::default().labels(&worker_selector))
+        .await?;
+    let mut by_group: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
+    for pod in existing.items {
+        if pod.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let group = pod.labels().get(LABEL_GROUP).cloned().unwrap_or_default();
+        by_group.entry(group).or_default().push(pod);
+    }
+    let mut advice_missing = Vec::new();
+    let mut held_total = 0;
+    let mut targets = BTreeMap::new();
+    for group in &cluster.spec.worker_groups {
+        let group_pods = by_group.remove(&group.name).unwrap_or_default();
+        let advice = match (&group.autoscaling, &ctx.advisor) {
+            (Some(_), Some(advisor)) => match advisor.advise(&address, &group.name).await {
+                Ok(advice) => Some(advice),
+                Err(e) => {
+                    warn!(cluster = %name, group = %group.name, error = %e, "no scaling advice");
+                    advice_missing.push(group.name.clone());
+                    None
+                }
+            },
+            (Some(_), None) => {
+                advice_missing.push(group.name.clone());
+                None
+            }
+            (None, _) => None,
+        };
+        let plan = scale_group(&cluster, group, group_pods, advice.as_ref(), &pods).await?;
+        held_total += plan.held;
+        targets.insert(group.name.clone(), plan.target);
+    }
+    // Pods of groups no longer in the spec.
+    for pod in by_group.into_values().flatten() {
+        let pod_name = pod.name_any();
+        info!(cluster = %name, pod = %pod_name, "deleting a worker of a removed group");
+        delete_pod(&pods, &pod_name).await?;
+    }
+
+    // Status from a fresh look at the pods.
+    let workers = pods
+        .list(&ListParams::default().labels(&worker_selector))
+        .await?
+        .items;
+    let scheduler_pods = pods
+        .list(
+            &ListParams::default().labels(&selector_string(&component_selector(
+                &name,
+                render::scheduler::COMPONENT,
+            ))),
+        )
+        .await?
+        .items;
+    status.worker_groups = cluster
+        .spec
+        .worker_groups
+        .iter()
+        .map(|g| group_status(g, targets.get(&g.name).copied().unwrap_or(0), &workers))
+        .collect();
+    status.desired_workers = status.worker_groups.iter().map(|g| g.desired).sum();
+    status.ready_workers = status.worker_groups.iter().map(|g| g.ready).sum();
+    status.scheduler_address = Some(address);
+
+    let worker_names: BTreeSet<String> = workers.iter().map(|p| p.name_any()).collect();
+    let all_pods: Vec<Pod> = scheduler_pods.into_iter().chain(workers).collect();
+    let any_pending = all_pods.iter().any(|p| {
+        matches!(
+            p.status.as_ref().and_then(|s| s.phase.as_deref()),
+            None | Some("Pending")
+        )
+    });
+    let warnings = if any_pending {
+        let events: Api<Event> = Api::namespaced(ctx.client.clone(), &namespace);
+        events
+            .list(&ListParams::default().fields("involvedObject.kind=Pod,type=Warning"))
+            .await?
+            .items
+    } else {
+        Vec::new()
+    };
+    status.pending_pods = pending_pods(&all_pods, &warnings, now, ctx.config.pending_timeout);
+    status.pending_workers = status
+        .pending_pods
+        .iter()
+        .filter(|p| worker_names.contains(&p.name))
+        .count() as u32;
+
+    let available = deployment
+        .status
+        .as_ref()
+        .and_then(|s| s.available_replicas)
+        .unwrap_or(0)
+        > 0;
+    set_condition(
+        &mut status.conditions,
+        "SchedulerAvailable",
+        available,
+        if available {
+            "Available"
+        } else {
+            "Unavailable"
+        },
+        if available {
+            "the scheduler pod is ready".to_string()
+        } else {
+            "no ready scheduler pod yet".to_string()
+        },
+        generation,
+        now,
+    );
+    let workers_ready = status.ready_workers >= status.desired_workers;
+    set_condition(
+        &mut status.conditions,
+        "WorkersReady",
+        workers_ready,
+        if workers_ready { "AllReady" } else { "Waiting" },
+        format!(
+            "{}/{} workers ready",
+            status.ready_workers, status.desired_workers
+        ),
+        generation,
+        now,
+    );
+    match status.pending_pods.first() {
+        Some(first) => {
+            let message = format!(
+                "{} pod(s) pending over {} s; {}: {}: {}",
+                status.pending_pods.len(),
+                ctx.config.pending_timeout.as_secs(),
+                first.name,
+                first.reason,
+                first.message
+            );
+            let reason = first.reason.clone();
+            set_condition(
+                &mut status.conditions,
+                "PodsPending",
+                true,
+                &reason,
+                message,
+                generation,
+                now,
+            );
+        }
+        None => set_condition(
+            &mut status.conditions,
+            "PodsPending",
+            false,
+            "NonePending",
+            "no pod pending past the timeout",
+            generation,
+            now,
+        ),
+    }
+    if cluster
+        .spec
+        .worker_groups
+        .iter()
+        .any(|g| g.autoscaling.is_some())
+    {
+        let (ok, reason, message) = if !advice_missing.is_empty() {
+            (
+                false,
+                "AdviceUnavailable",
+                format!(
+                    "no scaling advice from the scheduler for {}: groups stay at their replicas \
+                     within bounds",
+                    advice_missing.join(", ")
+                ),
+            )
+        } else if held_total > 0 {
+            (
+                true,
+                "RetirementHeld",
+                format!(
+                    "{held_total} worker(s) above target kept until the scheduler reports them safe to retire"
+                ),
+            )
+        } else {
+            (
+                true,
+                "Following",
+                "following the scheduler's advice".to_string(),
+            )
+        };
+        set_condition(
+            &mut status.conditions,
+            "Autoscaling",
+            ok,
+            reason,
+            message,
+            generation,
+            now,
+        );
+    }
+    let ready = available && workers_ready;
+    let (reason, message) = if ready {
+        (
+            "Ready",
+            "the scheduler and all workers are ready".to_string(),
+        )
+    } else if let Some(first) = status.pending_pods.first() {
+        (
+            first.reason.as_str(),
+            format!("{}: {}", first.name, first.message),
+        )
+    } else {
+        (
+            "Starting",
+            "waiting for the scheduler and workers to become ready".to_string(),
+        )
+    };
+    let (reason, message) = (reason.to_string(), message);
+    set_condition(
+        &mut status.conditions,
+        "Ready",
+        ready,
+        &reason,
+        message,
+        generation,
+        now,
+    );
+    write_status(&clusters, &name, &status).await?;
+
+    Ok(if ready {
+        Action::requeue(Duration::from_secs(60))
+    } else {
+        Action::requeue(
+            ctx.config
+                .pending_timeout
+                .clamp(Duration::from_secs(1), Duration::from_secs(10)),
+        )
+    })
+}
+
+/// Brings one group to its target; returns the plan (target, and how many workers above it were
+/// kept because the scheduler has not reported them safe).
+async fn scale_group(
+    cluster: &WrkCluster,
+    group: &WorkerGroupSpec,
+    group_pods: Vec<Pod>,
+    advice: Option<&Advice>,
+    pods: &Api<Pod>,
+) -> Result<scaling::Plan, Error> {
+    let name = cluster.name_any();
+    let safe = advice.map(|a| a.safe_to_retire.clone()).unwrap_or_default();
+    let mut live = Vec::new();
+    for pod in group_pods {
+        let pod_name = pod.name_any();
+        let index = scaling::index_of(&pod_name);
+        // A pod of an older spec is replaced when it could be retired anyway.
+        let outdated = match index {
+            Some(i) => {
+                let wanted = worker::pod(cluster, group, i)?;
+                spec_hash(&wanted) != spec_hash(&pod)
+            }
+            None => true,
+        };
+        let retirable = !is_ready(&pod) || safe.contains(&pod_name);
+        if is_finished(&pod) || (outdated && retirable) {
+            info!(cluster = %name, pod = %pod_name, finished = is_finished(&pod), outdated, "replacing a worker pod");
+            delete_pod(pods, &pod_name).await?;
+        } else {
+            live.push(pod);
+        }
+    }
+    let target = scaling::target(group, advice);
+    let workers: Vec<Worker> = live
+        .iter()
+        .map(|p| Worker {
+            name: p.name_any(),
+            ready: is_ready(p),
+        })
+        .collect();
+    let plan = scaling::plan(&workers, target, &safe);
+    for pod_name in &plan.retire {
+        info!(cluster = %name, group = %group.name, pod = %pod_name, target, "retiring a worker");
+        delete_pod(pods, pod_name).await?;
+    }
+    let retired: BTreeSet<&String> = plan.retire.iter().collect();
+    let taken: BTreeSet<u32> = workers
+        .iter()
+        .filter(|w| !retired.contains(&w.name))
+        .filter_map(|w| scaling::index_of(&w.name))
+        .collect();
+    let remaining = workers.len() - plan.retire.len();
+    let missing = (target as usize).saturating_sub(remaining);
+    let free = (0u32..).filter(|i| !taken.contains(i)).take(missing);
+    for index in free {
+        let pod = worker::pod(cluster, group, index)?;
+        info!(cluster = %name, group = %group.name, index, "creating a worker pod");
+        apply(pods, &pod).await?;
+    }
+    Ok(plan)
+}
+
+async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<(), Error> {
+    match pods.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        // Already gone: what we wanted.
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn group_status(group: &WorkerGroupSpec, desired: u32, workers: &[Pod]) -> WorkerGroupStatus {
+    let mine: Vec<&Pod> = workers
+        .iter()
+        .filter(|p| p.labels().get(LABEL_GROUP) == Some(&group.name))
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect();
+    WorkerGroupStatus {
+        name: group.name.clone(),
+        desired,
+        current: mine.len() as u32,
+        scheduled: mine.iter().filter(|p| is_bound(p)).count() as u32,
+        ready: mine.iter().filter(|p| is_ready(p)).count() as u32,
+    }
+}
+
+async fn write_status(
+    clusters: &Api<WrkCluster>,
+    name: &str,
+    status: &WrkClusterStatus,
+) -> Result<(), Error> {
+    let patch = serde_json::json!({ "status": status });
+    clusters
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
+}
