@@ -215,7 +215,10 @@ async fn main() -> Result<()> {
     let cli = Cli::parse();
     let service = matches!(
         cli.command,
-        Command::Up { .. } | Command::Scheduler { .. } | Command::Worker(_)
+        Command::Up { .. }
+            | Command::Scheduler { .. }
+            | Command::Worker(_)
+            | Command::Operator { .. }
     );
     // One-shot commands report failures themselves; their embedded cluster only logs errors.
     init_tracing(if service {

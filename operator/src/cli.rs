@@ -62,8 +62,7 @@ pub async fn run(command: OperatorCommand) -> Result<(), Error> {
                     pending_timeout: Duration::from_secs(pending_timeout_secs),
                     namespace,
                 },
-                // The scheduler serves no scaling advice yet (issue 4).
-                advisor: None,
+                advisor: Some(std::sync::Arc::new(crate::advisor::GrpcAdvisor::default())),
             };
             controller::run(ctx, termination()).await?;
         }

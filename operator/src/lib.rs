@@ -6,6 +6,7 @@
 //! scaling within bounds from the scheduler's advice ([`scaling`]); and what installs the operator
 //! ([`install`], the Helm chart under `chart/`). `wrk operator ...` is [`cli`].
 
+pub mod advisor;
 pub mod cli;
 pub mod controller;
 pub mod crd;
