@@ -59,10 +59,13 @@ enum Command {
     },
     /// Run a worker attached to a scheduler.
     Worker(WorkerArgs),
-    /// Show the workers and jobs of a cluster.
+    /// Show the workers, jobs and scaling advice of a cluster.
     Status {
         #[arg(long, env = "WRK_SCHEDULER", default_value = "http://127.0.0.1:7070")]
         scheduler: String,
+        /// `text` for people, `json` for scripts.
+        #[arg(long, value_enum, default_value_t = StatusFormat::Text)]
+        output: StatusFormat,
     },
     /// Cancel a job.
     Cancel {
@@ -90,6 +93,12 @@ enum Command {
         #[arg(long, default_value_t = 2024)]
         seed: u64,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum StatusFormat {
+    Text,
+    Json,
 }
 
 #[derive(clap::Args, Clone)]
@@ -271,7 +280,7 @@ async fn main() -> Result<()> {
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())
         }
-        Command::Status { scheduler } => status(&scheduler).await,
+        Command::Status { scheduler, output } => status(&scheduler, output).await,
         Command::Cancel { job_id, scheduler } => {
             client::connect(&scheduler)
                 .await?
@@ -392,8 +401,62 @@ async fn up(cluster: ClusterArgs, listen: SocketAddr, http_listen: SocketAddr) -
     Ok(())
 }
 
-async fn status(url: &str) -> Result<()> {
-    let status = client::cluster_status(url).await?;
+async fn status(url: &str, format: StatusFormat) -> Result<()> {
+    let mut client = client::connect(url).await?;
+    let status = client
+        .get_cluster_status(wrk_proto::Empty {})
+        .await?
+        .into_inner();
+    let advice = client
+        .get_scaling_advice(wrk_proto::ScalingRequest {
+            target_duration_ms: 0,
+        })
+        .await?
+        .into_inner();
+    let job_state = |state: i32| JobState::try_from(state).unwrap_or(JobState::Unspecified);
+    if let StatusFormat::Json = format {
+        let workers: Vec<serde_json::Value> = status
+            .workers
+            .iter()
+            .map(|w| {
+                serde_json::json!({
+                    "id": w.worker_id,
+                    "data_address": w.data_address,
+                    "http_address": w.http_address,
+                    "device": w.device,
+                    "slots": w.slots,
+                    "assigned_tasks": w.running_tasks,
+                    "partitions": w.partitions,
+                    "memory_used_bytes": w.pool_used_bytes,
+                    "pool_bytes": w.pool_bytes,
+                })
+            })
+            .collect();
+        let jobs: Vec<serde_json::Value> = status
+            .jobs
+            .iter()
+            .map(|j| {
+                let state = job_state(j.state)
+                    .as_str_name()
+                    .trim_start_matches("JOB_STATE_")
+                    .to_lowercase();
+                serde_json::json!({ "id": j.job_id, "name": j.name, "state": state })
+            })
+            .collect();
+        let document = serde_json::json!({
+            "workers": workers,
+            "jobs": jobs,
+            "scaling": {
+                "current_workers": advice.current_workers,
+                "desired_workers": advice.desired_workers,
+                "retirable_workers": advice.retirable_workers,
+                "backlog_tasks": advice.backlog_tasks,
+                "backlog_seconds": advice.backlog_seconds,
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&document)?);
+        return Ok(());
+    }
     println!("workers: {}", status.workers.len());
     for w in &status.workers {
         println!(
@@ -412,13 +475,6 @@ async fn status(url: &str) -> Result<()> {
             }
         );
     }
-    let advice = client::connect(url)
-        .await?
-        .get_scaling_advice(wrk_proto::ScalingRequest {
-            target_duration_ms: 0,
-        })
-        .await?
-        .into_inner();
     println!(
         "scaling: backlog {} tasks (~{:.1} task-seconds); {} workers wanted to finish it within 60 s; retirable: {}",
         advice.backlog_tasks,
@@ -432,8 +488,12 @@ async fn status(url: &str) -> Result<()> {
     );
     println!("jobs: {}", status.jobs.len());
     for j in &status.jobs {
-        let state = JobState::try_from(j.state).unwrap_or(JobState::Unspecified);
-        println!("  {:<12} {:<24} {}", j.job_id, j.name, state.as_str_name());
+        println!(
+            "  {:<12} {:<24} {}",
+            j.job_id,
+            j.name,
+            job_state(j.state).as_str_name()
+        );
     }
     Ok(())
 }

@@ -309,7 +309,43 @@ impl SchedulerService {
                 }),
             )
             .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+            .route(
+                "/scaling",
+                axum::routing::get({
+                    let service = self.clone();
+                    move |query: axum::extract::Query<ScalingQuery>| {
+                        let service = service.clone();
+                        async move {
+                            let target = query
+                                .target_secs
+                                .filter(|s| s.is_finite() && *s > 0.0)
+                                .map(Duration::from_secs_f64)
+                                .unwrap_or(DEFAULT_SCALING_TARGET);
+                            let advice = service.state().scaling_advice(target);
+                            axum::Json(scaling_json(&advice, target))
+                        }
+                    }
+                }),
+            )
     }
+}
+
+/// Query of `GET /scaling?target_secs=N`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct ScalingQuery {
+    target_secs: Option<f64>,
+}
+
+/// The scaling advice as JSON, for autoscalers that do not speak gRPC.
+fn scaling_json(advice: &ScalingAdvice, target: Duration) -> serde_json::Value {
+    serde_json::json!({
+        "target_secs": target.as_secs_f64(),
+        "current_workers": advice.current_workers,
+        "desired_workers": advice.desired_workers,
+        "retirable_workers": advice.retirable_workers,
+        "backlog_tasks": advice.backlog_tasks,
+        "backlog_seconds": advice.backlog_seconds,
+    })
 }
 
 /// Why the scheduler stopped serving.

@@ -70,15 +70,20 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
     let stderr = scheduler.stderr.take().expect("scheduler stderr");
     processes.0.push(scheduler);
     let mut lines = BufReader::new(stderr).lines();
+    let mut http = None;
     let address = loop {
         let line = lines
             .next()
             .expect("scheduler exited early")
             .expect("read scheduler output");
+        if let Some(address) = line.strip_prefix("wrk scheduler http on ") {
+            http = Some(address.trim().to_string());
+        }
         if let Some(address) = line.strip_prefix("wrk scheduler listening on ") {
             break address.trim().to_string();
         }
     };
+    let http = http.expect("the scheduler announces its HTTP address first");
     // Keep draining the scheduler's log so it never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
     let url = format!("http://{address}");
@@ -138,4 +143,51 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
     let status = String::from_utf8_lossy(&status.stdout);
     assert!(status.contains("JOB_STATE_SUCCEEDED"), "{status}");
     assert!(status.contains("w1") && status.contains("w2"), "{status}");
+
+    // The same for scripts, as JSON.
+    let json = Command::new(wrk())
+        .args(["status", "--scheduler", &url, "--output", "json"])
+        .output()
+        .expect("wrk status --output json");
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).expect("status is JSON");
+    assert_eq!(json["jobs"][0]["state"], "succeeded", "{json}");
+    let ids: Vec<&str> = json["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["w1", "w2"]);
+
+    // Scaling advice over HTTP: no backlog, and the results were fetched and released, so both
+    // workers may retire.
+    let advice = http_get(&http, "/scaling?target_secs=30");
+    let advice: serde_json::Value = serde_json::from_str(&advice).expect("scaling advice is JSON");
+    assert_eq!(advice["target_secs"], 30.0);
+    assert_eq!(advice["current_workers"], 2);
+    assert_eq!(advice["backlog_tasks"], 0);
+    assert_eq!(
+        advice["retirable_workers"],
+        serde_json::json!(["w1", "w2"]),
+        "{advice}"
+    );
+}
+
+/// A plain HTTP/1.1 GET; returns the body of a 200 answer.
+fn http_get(address: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream =
+        std::net::TcpStream::connect(address).expect("connect to the scheduler's HTTP port");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .expect("read the response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_string()
 }
