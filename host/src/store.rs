@@ -63,6 +63,16 @@ impl PartitionStore {
         before - map.len()
     }
 
+    /// Drops every output of one task; returns how many there were.
+    pub fn release_task(&self, job_id: &str, stage: u32, task: u32) -> usize {
+        let Ok(mut map) = self.partitions.write() else {
+            return 0;
+        };
+        let before = map.len();
+        map.retain(|id, _| !(id.job_id == job_id && id.stage == stage && id.task == task));
+        before - map.len()
+    }
+
     pub fn stats(&self) -> StoreStats {
         let Ok(map) = self.partitions.read() else {
             return StoreStats::default();
@@ -101,7 +111,12 @@ mod tests {
         store.insert(id("b", 0), Table::new(batch));
         assert_eq!(store.stats().partitions, 3);
         assert!(store.stats().bytes >= 3 * 24);
-        assert_eq!(store.release_job("a"), 2);
+        assert_eq!(store.release_task("a", 0, 1), 1);
+        assert!(
+            store.get(&id("a", 0)).is_some(),
+            "only task 1's outputs went"
+        );
+        assert_eq!(store.release_job("a"), 1);
         assert!(store.get(&id("a", 0)).is_none());
         assert!(store.get(&id("b", 0)).is_some());
     }

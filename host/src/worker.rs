@@ -250,6 +250,11 @@ pub async fn run(
                         let dropped = shared.store.release_job(&release.job_id);
                         tracing::debug!(job = %release.job_id, dropped, "released job partitions");
                     }
+                    Some(FromScheduler::ReleaseTasks(release)) => {
+                        for task in &release.tasks {
+                            shared.store.release_task(&release.job_id, task.stage, task.index);
+                        }
+                    }
                     Some(FromScheduler::Cancel(cancel)) => {
                         tracing::debug!(task = ?cancel.task, "cancel requested; the attempt's result will be ignored by the scheduler");
                     }

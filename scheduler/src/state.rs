@@ -14,8 +14,9 @@ use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::stage_input::Pattern;
 use wrk_proto::{
     AssignTask, CancelTask, ClusterStatus, JobProgress, JobResult, JobSpec, JobState, JobSummary,
-    OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, ScalingAdvice, SchedulerMessage,
-    StageProgress, TaskDone, TaskFailed, TaskId, TaskInput, WorkerStatus, task_input,
+    OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, ReleaseTasks, ScalingAdvice,
+    SchedulerMessage, StageProgress, TaskDone, TaskFailed, TaskId, TaskInput, WorkerStatus,
+    task_input,
 };
 
 /// Where a worker's control messages go.
@@ -76,6 +77,8 @@ struct TaskEntry {
     attempts: u32,
     /// Workers that died while running this task.
     workers_lost: u32,
+    /// A finished task whose outputs were dropped because nothing needed them any more.
+    outputs_released: bool,
 }
 
 struct Job {
@@ -230,9 +233,47 @@ impl Job {
         consumers.is_empty()
             || consumers.iter().any(|&(consumer, pattern)| match pattern {
                 Pattern::OneToOne => !self.is_done(consumer, index),
-                Pattern::All => (0..self.spec.stages[consumer as usize].num_tasks)
-                    .any(|i| !self.is_done(consumer, i)),
+                Pattern::All => {
+                    self.done[consumer as usize] < self.spec.stages[consumer as usize].num_tasks
+                }
             })
+    }
+
+    /// Outputs that task `(stage, index)` finishing made unneeded, by the worker holding them;
+    /// they are marked released.
+    fn release_unneeded_inputs(
+        &mut self,
+        stage: u32,
+        index: u32,
+    ) -> HashMap<String, Vec<(u32, u32)>> {
+        let mut candidates = Vec::new();
+        for input in &self.spec.stages[stage as usize].inputs {
+            match input.pattern() {
+                Pattern::OneToOne => candidates.push((input.stage, index)),
+                // Only the consumer stage's last task frees everything it gathered.
+                Pattern::All
+                    if self.done[stage as usize] == self.spec.stages[stage as usize].num_tasks =>
+                {
+                    let count = self.spec.stages[input.stage as usize].num_tasks;
+                    candidates.extend((0..count).map(|i| (input.stage, i)));
+                }
+                Pattern::All => {}
+            }
+        }
+        let mut by_worker: HashMap<String, Vec<(u32, u32)>> = HashMap::new();
+        for (s, i) in candidates {
+            if self.is_needed(s, i) {
+                continue;
+            }
+            let entry = &mut self.tasks[s as usize][i as usize];
+            if let TaskStatus::Done { worker, .. } = &entry.status
+                && !entry.outputs_released
+            {
+                entry.outputs_released = true;
+                by_worker.entry(worker.clone()).or_default().push((s, i));
+            }
+        }
+        by_worker
     }
 
     /// Final stages: those no other stage consumes.
@@ -365,6 +406,7 @@ impl State {
                         status: TaskStatus::Waiting(0),
                         attempts: 0,
                         workers_lost: 0,
+                        outputs_released: false,
                     };
                     stage.num_tasks as usize
                 ]
@@ -657,12 +699,29 @@ impl State {
                 }
             }
         }
+        let released = job.release_unneeded_inputs(task.stage, task.index);
+        let mut out: Outgoing = Vec::new();
+        for (worker, tasks) in released {
+            if let Some(w) = self.workers.get(&worker) {
+                out.push((
+                    w.outbox.clone(),
+                    message(ToWorker::ReleaseTasks(ReleaseTasks {
+                        job_id: job.id.clone(),
+                        tasks: tasks
+                            .into_iter()
+                            .map(|(stage, index)| wrk_proto::TaskRef { stage, index })
+                            .collect(),
+                    })),
+                ));
+            }
+        }
         if job.remaining == 0 && job.state == JobState::Running {
             job.state = JobState::Succeeded;
             tracing::info!(job = %job.id, name = %job.spec.name, "job succeeded");
         }
         job.publish();
-        self.dispatch()
+        out.extend(self.dispatch());
+        out
     }
 
     pub fn task_failed(&mut self, worker_id: &str, failed: TaskFailed) -> Outgoing {
@@ -831,7 +890,9 @@ impl State {
         for job in self.jobs.values().filter(|j| !j.released) {
             for (stage, tasks) in job.tasks.iter().enumerate() {
                 for task in tasks {
-                    if let TaskStatus::Done { worker, .. } = &task.status {
+                    if let TaskStatus::Done { worker, .. } = &task.status
+                        && !task.outputs_released
+                    {
                         holding.insert(worker);
                     }
                 }
@@ -924,9 +985,15 @@ impl State {
                     .tasks
                     .iter()
                     .enumerate()
-                    .flat_map(|(s, tasks)| tasks.iter().enumerate().map(move |(i, t)| (s as u32, i as u32, t)))
+                    .flat_map(|(s, tasks)| {
+                        tasks
+                            .iter()
+                            .enumerate()
+                            .map(move |(i, t)| (s as u32, i as u32, t))
+                    })
                     .filter(|(s, i, t)| {
-                        matches!(&t.status, TaskStatus::Done { worker, .. } if !workers.contains_key(worker))
+                        matches!(&t.status, TaskStatus::Done { worker, .. }
+                            if t.outputs_released || !workers.contains_key(worker))
                             && job.is_needed(*s, *i)
                     })
                     .map(|(s, i, _)| (s, i))
@@ -936,6 +1003,7 @@ impl State {
                 }
                 for (s, i) in lost_and_needed {
                     job.set_status(s, i, TaskStatus::Ready);
+                    job.tasks[s as usize][i as usize].outputs_released = false;
                     recompute += 1;
                 }
                 touched = true;
@@ -1572,6 +1640,66 @@ mod tests {
         assert!(
             state.result(&id).unwrap().partitions.is_empty(),
             "released results are gone"
+        );
+    }
+
+    fn released(out: &Outgoing) -> Vec<(u32, u32)> {
+        out.iter()
+            .filter_map(|(_, m)| match &m.kind {
+                Some(ToWorker::ReleaseTasks(r)) => Some(
+                    r.tasks
+                        .iter()
+                        .map(|t| (t.stage, t.index))
+                        .collect::<Vec<_>>(),
+                ),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    #[test]
+    fn outputs_are_released_once_nothing_needs_them_and_recomputed_if_needed_again() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let (id, _) = state.submit(chain());
+        let read = assigned(&state.dispatch()).remove(0);
+        let out = state.task_done("a", done(&read, 5));
+        assert!(
+            released(&out).is_empty(),
+            "the map still needs read's output"
+        );
+        let map = assigned(&out).remove(0);
+        let out = state.task_done("a", done(&map, 5));
+        assert_eq!(
+            released(&out),
+            vec![(0, 0)],
+            "the map consumed read's output"
+        );
+        let reduce = assigned(&out).remove(0);
+        // The worker dies before the reduce finishes: map's output is lost, and the read output
+        // it needs was released, so both are recomputed, read first.
+        let _b = add_worker(&mut state, "b", 1);
+        let out = state.worker_lost("a", "test");
+        let next = assigned(&out);
+        assert_eq!(next.len(), 1);
+        assert_eq!(next[0].stage_name, "read");
+        let map = assigned(&state.task_done("b", done(&next[0], 5))).remove(0);
+        let out = state.task_done("b", done(&map, 5));
+        assert_eq!(released(&out), vec![(0, 0)]);
+        let reduce_again = assigned(&out).remove(0);
+        assert_eq!(reduce_again.stage_name, reduce.stage_name);
+        let out = state.task_done("b", done(&reduce_again, 1));
+        assert_eq!(
+            released(&out),
+            vec![(1, 0)],
+            "the reduce consumed the map's output"
+        );
+        assert_eq!(job_state(&state, &id), JobState::Succeeded);
+        assert_eq!(
+            state.result(&id).unwrap().partitions.len(),
+            1,
+            "the final output is kept"
         );
     }
 
