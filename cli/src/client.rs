@@ -5,29 +5,31 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use tonic::transport::Channel;
 use wrk_host::table::Table;
 use wrk_host::transfer::PeerClient;
+use wrk_proto::auth::{AuthChannel, BearerToken};
 use wrk_proto::scheduler_client::SchedulerClient;
 use wrk_proto::{
     ClusterStatus, Empty, JobProgress, JobRef, JobSpec, JobState, MAX_MESSAGE_BYTES,
     SubmitJobRequest,
 };
 
-pub async fn connect(url: &str) -> Result<SchedulerClient<Channel>> {
+/// A scheduler client; `token` is the tenant's, for schedulers that require one.
+pub async fn connect(url: &str, token: Option<&str>) -> Result<SchedulerClient<AuthChannel>> {
+    let token = BearerToken::new(token).context("invalid --token")?;
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())
         .with_context(|| format!("`{url}` is not a valid scheduler address"))?
         .connect_timeout(Duration::from_secs(10))
         .connect()
         .await
         .with_context(|| format!("cannot reach the scheduler at {url}"))?;
-    Ok(SchedulerClient::new(channel)
+    Ok(SchedulerClient::with_interceptor(channel, token)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES))
 }
 
-pub async fn cluster_status(url: &str) -> Result<ClusterStatus> {
-    Ok(connect(url)
+pub async fn cluster_status(url: &str, token: Option<&str>) -> Result<ClusterStatus> {
+    Ok(connect(url, token)
         .await?
         .get_cluster_status(Empty {})
         .await?
@@ -92,8 +94,13 @@ impl Bars {
 }
 
 /// Submits `spec`, follows it to the end and fetches its results; cancels it on Ctrl-C.
-pub async fn run_job(url: &str, spec: JobSpec, show_progress: bool) -> Result<JobOutcome> {
-    let mut client = connect(url).await?;
+pub async fn run_job(
+    url: &str,
+    token: Option<&str>,
+    spec: JobSpec,
+    show_progress: bool,
+) -> Result<JobOutcome> {
+    let mut client = connect(url, token).await?;
     let name = spec.name.clone();
     let tasks: u64 = spec.stages.iter().map(|s| u64::from(s.num_tasks)).sum();
     let bars = Bars::new(&spec, show_progress);

@@ -101,6 +101,7 @@ impl LocalCluster {
                 },
                 connect_timeout: Duration::from_secs(10),
                 metrics_listen: config.http.map(|_| SocketAddr::from(([127, 0, 0, 1], 0))),
+                token: None,
             };
             let worker_stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move {
@@ -121,7 +122,7 @@ impl LocalCluster {
     pub async fn wait_for_workers(&self, workers: usize, timeout: Duration) -> Result<()> {
         let started = std::time::Instant::now();
         loop {
-            let status = crate::client::cluster_status(&self.scheduler_url).await;
+            let status = crate::client::cluster_status(&self.scheduler_url, None).await;
             if let Ok(status) = &status
                 && status.workers.len() >= workers
             {

@@ -56,6 +56,13 @@ enum Command {
         /// Seconds without a heartbeat before a worker is declared lost.
         #[arg(long, default_value_t = 10.0)]
         worker_timeout_secs: f64,
+        /// A TOML file of tenants and their tokens; without it the scheduler is open to anyone
+        /// who can reach it.
+        #[arg(long)]
+        tenants: Option<PathBuf>,
+        /// The token workers must present.
+        #[arg(long, env = "WRK_WORKER_TOKEN", hide_env_values = true)]
+        worker_token: Option<String>,
     },
     /// Run a worker attached to a scheduler.
     Worker(WorkerArgs),
@@ -66,12 +73,18 @@ enum Command {
         /// `text` for people, `json` for scripts.
         #[arg(long, value_enum, default_value_t = StatusFormat::Text)]
         output: StatusFormat,
+        /// Your tenant token, for schedulers that require one.
+        #[arg(long, env = "WRK_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
     /// Cancel a job.
     Cancel {
         job_id: String,
         #[arg(long, env = "WRK_SCHEDULER", default_value = "http://127.0.0.1:7070")]
         scheduler: String,
+        /// Your tenant token, for schedulers that require one.
+        #[arg(long, env = "WRK_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
     /// Run one task on one Parquet file, without a cluster.
     Run(RunArgs),
@@ -141,6 +154,9 @@ struct SubmitArgs {
     /// No progress bars.
     #[arg(long, short)]
     quiet: bool,
+    /// Your tenant token, for schedulers that require one.
+    #[arg(long, env = "WRK_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -169,6 +185,9 @@ struct WorkerArgs {
     /// Serve /metrics and /healthz here (for example 0.0.0.0:9090).
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// The worker token the scheduler requires, if any.
+    #[arg(long, env = "WRK_WORKER_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -247,7 +266,18 @@ async fn main() -> Result<()> {
             http_listen,
             heartbeat_ms,
             worker_timeout_secs,
+            tenants,
+            worker_token,
         } => {
+            let tenants = match tenants {
+                Some(path) => Some(Arc::new(wrk_scheduler::tenants::Tenants::load(&path)?)),
+                None => {
+                    tracing::warn!(
+                        "no --tenants file: any client that can reach this scheduler may submit, watch and cancel jobs"
+                    );
+                    None
+                }
+            };
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("cannot listen on {listen}"))?;
@@ -257,6 +287,8 @@ async fn main() -> Result<()> {
             let config = SchedulerConfig {
                 heartbeat_interval: Duration::from_millis(heartbeat_ms.max(10)),
                 worker_timeout: Duration::from_secs_f64(worker_timeout_secs.max(0.1)),
+                tenants,
+                worker_token,
             };
             wrk_scheduler::serve(listener, Some(http), config, shutdown_signal()).await?;
             Ok(())
@@ -276,13 +308,22 @@ async fn main() -> Result<()> {
                 },
                 connect_timeout: Duration::from_secs(30),
                 metrics_listen: args.metrics_listen,
+                token: args.token,
             };
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())
         }
-        Command::Status { scheduler, output } => status(&scheduler, output).await,
-        Command::Cancel { job_id, scheduler } => {
-            client::connect(&scheduler)
+        Command::Status {
+            scheduler,
+            output,
+            token,
+        } => status(&scheduler, token.as_deref(), output).await,
+        Command::Cancel {
+            job_id,
+            scheduler,
+            token,
+        } => {
+            client::connect(&scheduler, token.as_deref())
                 .await?
                 .cancel_job(JobRef {
                     job_id: job_id.clone(),
@@ -350,7 +391,7 @@ async fn submit(args: SubmitArgs) -> Result<()> {
             (cluster.scheduler_url.clone(), Some(cluster))
         }
     };
-    let outcome = client::run_job(&url, spec, !args.quiet).await;
+    let outcome = client::run_job(&url, args.token.as_deref(), spec, !args.quiet).await;
     if let Some(cluster) = cluster {
         cluster.shutdown().await;
     }
@@ -401,8 +442,8 @@ async fn up(cluster: ClusterArgs, listen: SocketAddr, http_listen: SocketAddr) -
     Ok(())
 }
 
-async fn status(url: &str, format: StatusFormat) -> Result<()> {
-    let mut client = client::connect(url).await?;
+async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<()> {
+    let mut client = client::connect(url, token).await?;
     let status = client
         .get_cluster_status(wrk_proto::Empty {})
         .await?

@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::transport::{Channel, Endpoint, Server};
+use wrk_proto::auth::{AuthChannel, BearerToken};
 use wrk_proto::scheduler_client::SchedulerClient;
 use wrk_proto::scheduler_message::Kind as FromScheduler;
 use wrk_proto::task_input::Kind as InputKind;
@@ -43,6 +44,8 @@ pub struct WorkerConfig {
     pub connect_timeout: Duration,
     /// Where to serve `/metrics` (Prometheus) and `/healthz`; `None` serves no HTTP.
     pub metrics_listen: Option<SocketAddr>,
+    /// The worker token the scheduler requires, if any.
+    pub token: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +79,7 @@ struct Shared {
     engine: TaskEngine,
     store: Arc<PartitionStore>,
     peers: PeerClient,
-    scheduler: SchedulerClient<Channel>,
+    scheduler: SchedulerClient<AuthChannel>,
     outbox: mpsc::Sender<WorkerMessage>,
     metrics: WorkerMetrics,
     /// One permit per slot: the scheduler may queue more tasks here than run at once.
@@ -162,7 +165,12 @@ pub async fn run(
         None => (None, String::new()),
     };
     let channel = connect_with_retry(&config.scheduler, config.connect_timeout).await?;
-    let mut scheduler = SchedulerClient::new(channel)
+    let token = BearerToken::new(config.token.as_deref()).map_err(|e| WorkerError::Connect {
+        address: config.scheduler.clone(),
+        waited: Duration::ZERO,
+        detail: format!("invalid worker token: {e}"),
+    })?;
+    let mut scheduler = SchedulerClient::with_interceptor(channel, token)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let (outbox, outgoing) = mpsc::channel::<WorkerMessage>(4096);

@@ -91,7 +91,7 @@ fn main() {
     }
     let before = rss_bytes();
     let started = Instant::now();
-    let (job_id, _) = state.submit(graph(tasks));
+    let (job_id, _) = state.submit("bench", graph(tasks));
     let total: usize = 2 * ((tasks - 1) / 2) + 1;
     let submitted = started.elapsed();
     let mut in_flight: VecDeque<wrk_proto::TaskId> = VecDeque::new();
@@ -136,7 +136,7 @@ fn main() {
         }
     }
     let elapsed = started.elapsed();
-    let result = state.result(&job_id).expect("the job exists");
+    let result = state.result("bench", &job_id).expect("the job exists");
     assert_eq!(result.state(), JobState::Succeeded, "{}", result.error);
     assert_eq!(completed, total);
     let per_task = peak_rss.saturating_sub(before) as f64 / total as f64;

@@ -6,6 +6,7 @@
 //!
 //! - [`graph`]: validation of submitted job graphs.
 //! - [`state`]: the task state machine, placement, retries, recovery from lost workers.
+//! - [`tenants`]: tenants and their tokens.
 //! - [`metrics`]: Prometheus metrics.
 //! - [`service`]: the tonic service, the HTTP endpoints and [`serve`].
 
@@ -13,5 +14,6 @@ pub mod graph;
 pub mod metrics;
 pub mod service;
 pub mod state;
+pub mod tenants;
 
 pub use service::{SchedulerConfig, SchedulerService, ServeError, serve};

@@ -21,16 +21,22 @@ use wrk_proto::{
 
 use crate::graph;
 use crate::state::{Outgoing, State, StateError, WORKER_LEFT};
+use crate::tenants::Tenants;
 
 /// How soon the backlog should drain when a scaling request names no target.
 const DEFAULT_SCALING_TARGET: Duration = Duration::from_secs(60);
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     /// How often workers heartbeat.
     pub heartbeat_interval: Duration,
     /// A worker silent for this long is declared lost.
     pub worker_timeout: Duration,
+    /// When set, every client call must carry a known tenant's token, and a tenant sees only its
+    /// own jobs. When not, the scheduler is open: every caller is the tenant `default`.
+    pub tenants: Option<Arc<Tenants>>,
+    /// When set, workers must present this token to attach and to fetch modules.
+    pub worker_token: Option<String>,
 }
 
 impl Default for SchedulerConfig {
@@ -38,6 +44,8 @@ impl Default for SchedulerConfig {
         SchedulerConfig {
             heartbeat_interval: Duration::from_secs(1),
             worker_timeout: Duration::from_secs(10),
+            tenants: None,
+            worker_token: None,
         }
     }
 }
@@ -58,6 +66,24 @@ fn status(e: StateError) -> Status {
     }
 }
 
+/// The tenant every caller is when the scheduler has no tenants file.
+pub const OPEN_TENANT: &str = "default";
+
+/// The bearer token of a request, if it carries one.
+fn bearer<T>(request: &Request<T>) -> Option<&str> {
+    request
+        .metadata()
+        .get("authorization")?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+}
+
+/// Compares secrets in time independent of where they differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 fn send(out: Outgoing) {
     for (outbox, message) in out {
         let _ = outbox.send(Ok(message));
@@ -72,6 +98,38 @@ impl SchedulerService {
         }
     }
 
+    /// The tenant making a client call.
+    fn tenant<T>(&self, request: &Request<T>) -> Result<String, Status> {
+        let Some(tenants) = &self.config.tenants else {
+            return Ok(OPEN_TENANT.to_string());
+        };
+        match bearer(request) {
+            None => Err(Status::unauthenticated(
+                "this scheduler requires a tenant token (wrk: --token or WRK_TOKEN)",
+            )),
+            Some(token) => tenants
+                .tenant_of(token)
+                .map(str::to_string)
+                .ok_or_else(|| Status::unauthenticated("unknown tenant token")),
+        }
+    }
+
+    /// Checks that a worker call carries the worker token, when one is required.
+    fn check_worker<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        match (&self.config.worker_token, bearer(request)) {
+            (None, _) => Ok(()),
+            (Some(expected), Some(token))
+                if constant_time_eq(expected.as_bytes(), token.as_bytes()) =>
+            {
+                Ok(())
+            }
+            (Some(_), Some(_)) => Err(Status::unauthenticated("unknown worker token")),
+            (Some(_), None) => Err(Status::unauthenticated(
+                "this scheduler requires a worker token (wrk worker: --token or WRK_WORKER_TOKEN)",
+            )),
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves consistent-enough state for reads; keep serving.
         self.state
@@ -82,7 +140,7 @@ impl SchedulerService {
     /// Declares workers lost when they stop heartbeating; runs until the service is dropped.
     fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
         let weak = Arc::downgrade(&self.state);
-        let config = self.config;
+        let config = self.config.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(config.heartbeat_interval);
             loop {
@@ -110,6 +168,7 @@ impl Scheduler for SchedulerService {
         &self,
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::AttachStream>, Status> {
+        self.check_worker(&request)?;
         let mut inbound = request.into_inner();
         let register = match inbound.message().await? {
             Some(WorkerMessage {
@@ -172,6 +231,7 @@ impl Scheduler for SchedulerService {
         &self,
         request: Request<GetModuleRequest>,
     ) -> Result<Response<ModuleBytes>, Status> {
+        self.check_worker(&request)?;
         let hash = request.into_inner().hash;
         let module = self.state().module(&hash).map_err(status)?;
         Ok(Response::new(ModuleBytes {
@@ -185,6 +245,7 @@ impl Scheduler for SchedulerService {
         &self,
         request: Request<SubmitJobRequest>,
     ) -> Result<Response<SubmitJobResponse>, Status> {
+        let tenant = self.tenant(&request)?;
         let Some(spec) = request.into_inner().job else {
             return Err(Status::invalid_argument("the request has no job"));
         };
@@ -194,7 +255,7 @@ impl Scheduler for SchedulerService {
             .map_err(|e| Status::invalid_argument(format!("job `{}`: {e}", spec.name)))?;
         let mut state = self.state();
         let name = spec.name.clone();
-        let (job_id, _) = state.submit(spec);
+        let (job_id, _) = state.submit(&tenant, spec);
         tracing::info!(job = %job_id, %name, "job submitted");
         send(state.dispatch());
         Ok(Response::new(SubmitJobResponse { job_id }))
@@ -204,9 +265,10 @@ impl Scheduler for SchedulerService {
         &self,
         request: Request<JobRef>,
     ) -> Result<Response<Self::WatchJobStream>, Status> {
+        let tenant = self.tenant(&request)?;
         let receiver = self
             .state()
-            .watch(&request.into_inner().job_id)
+            .watch(&tenant, &request.into_inner().job_id)
             .map_err(status)?;
         let stream =
             futures::stream::unfold((receiver, false), |(mut receiver, finished)| async move {
@@ -239,26 +301,29 @@ impl Scheduler for SchedulerService {
         &self,
         request: Request<JobRef>,
     ) -> Result<Response<JobResult>, Status> {
+        let tenant = self.tenant(&request)?;
         let result = self
             .state()
-            .result(&request.into_inner().job_id)
+            .result(&tenant, &request.into_inner().job_id)
             .map_err(status)?;
         Ok(Response::new(result))
     }
 
     async fn cancel_job(&self, request: Request<JobRef>) -> Result<Response<Empty>, Status> {
+        let tenant = self.tenant(&request)?;
         let out = self
             .state()
-            .cancel(&request.into_inner().job_id)
+            .cancel(&tenant, &request.into_inner().job_id)
             .map_err(status)?;
         send(out);
         Ok(Response::new(Empty {}))
     }
 
     async fn release_job(&self, request: Request<JobRef>) -> Result<Response<Empty>, Status> {
+        let tenant = self.tenant(&request)?;
         let out = self
             .state()
-            .release(&request.into_inner().job_id)
+            .release(&tenant, &request.into_inner().job_id)
             .map_err(status)?;
         send(out);
         Ok(Response::new(Empty {}))
@@ -268,6 +333,8 @@ impl Scheduler for SchedulerService {
         &self,
         request: Request<ScalingRequest>,
     ) -> Result<Response<ScalingAdvice>, Status> {
+        // Any tenant may see the cluster-wide advice; it names no jobs.
+        self.tenant(&request)?;
         let target = match request.into_inner().target_duration_ms {
             0 => DEFAULT_SCALING_TARGET,
             ms => Duration::from_millis(ms),
@@ -277,9 +344,10 @@ impl Scheduler for SchedulerService {
 
     async fn get_cluster_status(
         &self,
-        _request: Request<Empty>,
+        request: Request<Empty>,
     ) -> Result<Response<ClusterStatus>, Status> {
-        Ok(Response::new(self.state().status()))
+        let tenant = self.tenant(&request)?;
+        Ok(Response::new(self.state().status(&tenant)))
     }
 }
 

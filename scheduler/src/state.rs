@@ -83,6 +83,8 @@ struct TaskEntry {
 
 struct Job {
     id: String,
+    /// The tenant that submitted the job; only it may see or touch it.
+    tenant: String,
     spec: JobSpec,
     tasks: Vec<Vec<TaskEntry>>,
     /// For each stage, the stages consuming it and how.
@@ -380,7 +382,11 @@ impl State {
     }
 
     /// Accepts a validated job; returns its id and a receiver of its progress.
-    pub fn submit(&mut self, mut spec: JobSpec) -> (String, watch::Receiver<JobProgress>) {
+    pub fn submit(
+        &mut self,
+        tenant: &str,
+        mut spec: JobSpec,
+    ) -> (String, watch::Receiver<JobProgress>) {
         for module in std::mem::take(&mut spec.modules) {
             self.modules.entry(module.hash).or_insert(StoredModule {
                 name: module.name,
@@ -417,6 +423,7 @@ impl State {
         let remaining = spec.stages.iter().map(|s| s.num_tasks as usize).sum();
         let mut job = Job {
             id: id.clone(),
+            tenant: tenant.to_string(),
             spec,
             tasks,
             consumers,
@@ -449,8 +456,23 @@ impl State {
             .ok_or_else(|| StateError::UnknownJob(job_id.to_string()))
     }
 
-    pub fn watch(&self, job_id: &str) -> Result<watch::Receiver<JobProgress>, StateError> {
+    /// The job `job_id` of `tenant`. Another tenant's job is reported as unknown, so ids reveal
+    /// nothing across tenants.
+    fn tenant_job(&self, tenant: &str, job_id: &str) -> Result<u64, StateError> {
         let number = self.job_number(job_id)?;
+        if self.jobs.get(&number).is_some_and(|j| j.tenant == tenant) {
+            Ok(number)
+        } else {
+            Err(StateError::UnknownJob(job_id.to_string()))
+        }
+    }
+
+    pub fn watch(
+        &self,
+        tenant: &str,
+        job_id: &str,
+    ) -> Result<watch::Receiver<JobProgress>, StateError> {
+        let number = self.tenant_job(tenant, job_id)?;
         Ok(self.jobs[&number].progress.subscribe())
     }
 
@@ -831,8 +853,8 @@ impl State {
         out
     }
 
-    pub fn cancel(&mut self, job_id: &str) -> Result<Outgoing, StateError> {
-        let number = self.job_number(job_id)?;
+    pub fn cancel(&mut self, tenant: &str, job_id: &str) -> Result<Outgoing, StateError> {
+        let number = self.tenant_job(tenant, job_id)?;
         let mut out = self.finish_job(
             number,
             JobState::Cancelled,
@@ -845,8 +867,8 @@ impl State {
 
     /// The client is done with a job: workers drop its data, the scheduler its tasks. A job
     /// still running is cancelled first.
-    pub fn release(&mut self, job_id: &str) -> Result<Outgoing, StateError> {
-        let number = self.job_number(job_id)?;
+    pub fn release(&mut self, tenant: &str, job_id: &str) -> Result<Outgoing, StateError> {
+        let number = self.tenant_job(tenant, job_id)?;
         let mut out = self.finish_job(
             number,
             JobState::Cancelled,
@@ -1097,8 +1119,8 @@ impl State {
         }
     }
 
-    pub fn result(&self, job_id: &str) -> Result<JobResult, StateError> {
-        let number = self.job_number(job_id)?;
+    pub fn result(&self, tenant: &str, job_id: &str) -> Result<JobResult, StateError> {
+        let number = self.tenant_job(tenant, job_id)?;
         let job = &self.jobs[&number];
         let mut partitions = Vec::new();
         if job.state == JobState::Succeeded && !job.released {
@@ -1135,7 +1157,8 @@ impl State {
         })
     }
 
-    pub fn status(&self) -> ClusterStatus {
+    /// The workers, and the jobs of `tenant`.
+    pub fn status(&self, tenant: &str) -> ClusterStatus {
         let mut workers: Vec<WorkerStatus> = self
             .workers
             .iter()
@@ -1155,6 +1178,7 @@ impl State {
         let mut jobs: Vec<(u64, JobSummary)> = self
             .jobs
             .iter()
+            .filter(|(_, j)| j.tenant == tenant)
             .map(|(n, j)| {
                 (
                     *n,
@@ -1180,6 +1204,9 @@ mod tests {
     use wrk_proto::{Register, Stage, StageInput};
 
     type Inbox = mpsc::UnboundedReceiver<Result<SchedulerMessage, tonic::Status>>;
+
+    /// The tenant of the tests' jobs.
+    const T: &str = "tenant";
 
     fn add_worker(state: &mut State, id: &str, slots: u32) -> Inbox {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -1254,7 +1281,7 @@ mod tests {
         let job = &state.jobs[&state.job_ids[id]];
         if job.released {
             assert!(job.tasks.is_empty(), "a released job keeps no tasks");
-            return state.result(id).unwrap().state();
+            return state.result(T, id).unwrap().state();
         }
         let mut remaining = 0;
         for (s, tasks) in job.tasks.iter().enumerate() {
@@ -1274,7 +1301,7 @@ mod tests {
             remaining += tasks.len() - done;
         }
         assert_eq!(job.remaining, remaining, "remaining tasks");
-        state.result(id).unwrap().state()
+        state.result(T, id).unwrap().state()
     }
 
     #[test]
@@ -1282,7 +1309,7 @@ mod tests {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 2);
         let _b = add_worker(&mut state, "b", 1);
-        let (id, _) = state.submit(map_reduce(5));
+        let (id, _) = state.submit(T, map_reduce(5));
         let first = assigned(&state.dispatch());
         assert_eq!(
             first.len(),
@@ -1307,7 +1334,7 @@ mod tests {
         assert_eq!(job_state(&state, &id), JobState::Running);
         let worker = worker_of(&state, &reduce);
         state.task_done(&worker, done(&reduce, 1));
-        let result = state.result(&id).unwrap();
+        let result = state.result(T, &id).unwrap();
         assert_eq!(result.state(), JobState::Succeeded);
         assert_eq!(result.partitions.len(), 1);
         assert_eq!(result.partitions[0].key.as_ref().unwrap().stage, 1);
@@ -1321,7 +1348,7 @@ mod tests {
         let mut spec = map_reduce(2);
         spec.stages[1].inputs[0].pattern = Pattern::OneToOne as i32;
         spec.stages[1].num_tasks = 2;
-        state.submit(spec);
+        state.submit(T, spec);
         let maps = assigned(&state.dispatch());
         assert_eq!(maps.len(), 2);
         let mut followers = Vec::new();
@@ -1341,7 +1368,7 @@ mod tests {
     fn fatal_failure_fails_the_job_with_the_stage_named() {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);
-        let (id, _) = state.submit(map_reduce(1));
+        let (id, _) = state.submit(T, map_reduce(1));
         let task = assigned(&state.dispatch()).remove(0);
         state.task_failed(
             "a",
@@ -1351,7 +1378,7 @@ mod tests {
                 retriable: false,
             },
         );
-        let result = state.result(&id).unwrap();
+        let result = state.result(T, &id).unwrap();
         assert_eq!(result.state(), JobState::Failed);
         assert!(
             result
@@ -1366,7 +1393,7 @@ mod tests {
     fn retriable_failure_is_retried_then_gives_up() {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);
-        let (id, _) = state.submit(map_reduce(1));
+        let (id, _) = state.submit(T, map_reduce(1));
         let mut task = assigned(&state.dispatch()).remove(0);
         for attempt in 1..=MAX_ATTEMPTS {
             assert_eq!(task.task.as_ref().unwrap().attempt, attempt);
@@ -1383,7 +1410,7 @@ mod tests {
                 None => break,
             }
         }
-        let result = state.result(&id).unwrap();
+        let result = state.result(T, &id).unwrap();
         assert_eq!(result.state(), JobState::Failed);
         assert!(
             result
@@ -1399,7 +1426,7 @@ mod tests {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);
         let _b = add_worker(&mut state, "b", 1);
-        let (id, _) = state.submit(map_reduce(2));
+        let (id, _) = state.submit(T, map_reduce(2));
         let maps = assigned(&state.dispatch());
         assert_eq!(maps.len(), 2);
         let (on_a, on_b): (Vec<_>, Vec<_>) =
@@ -1449,7 +1476,7 @@ mod tests {
     fn only_lost_outputs_still_needed_are_recomputed_even_across_losses() {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);
-        let (id, _) = state.submit(chain());
+        let (id, _) = state.submit(T, chain());
         let read = assigned(&state.dispatch()).remove(0);
         let map = assigned(&state.task_done("a", done(&read, 5))).remove(0);
         assert_eq!(map.stage_name, "map");
@@ -1480,7 +1507,7 @@ mod tests {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);
         let _b = add_worker(&mut state, "b", 1);
-        let (id, _) = state.submit(chain());
+        let (id, _) = state.submit(T, chain());
         // `read` ran on a, `map` on b (which consumed read's output); the reduce is pending.
         let number = state.job_ids[&id];
         let job = state.jobs.get_mut(&number).unwrap();
@@ -1531,7 +1558,7 @@ mod tests {
         let mut spec = map_reduce(10_000);
         spec.stages[1].num_tasks = 10_000;
         spec.stages[1].inputs[0].pattern = Pattern::OneToOne as i32;
-        let (id, _) = state.submit(spec);
+        let (id, _) = state.submit(T, spec);
         let mut pending: VecDeque<AssignTask> = assigned(&state.dispatch()).into();
         let mut per_worker: HashMap<String, usize> = HashMap::new();
         while let Some(task) = pending.pop_front() {
@@ -1556,7 +1583,7 @@ mod tests {
     #[test]
     fn a_task_whose_workers_keep_dying_poisons_its_job() {
         let mut state = State::new();
-        let (id, _) = state.submit(map_reduce(1));
+        let (id, _) = state.submit(T, map_reduce(1));
         for round in 0..POISON_AFTER_LOST_WORKERS {
             let worker = format!("victim-{round}");
             let _inbox = add_worker(&mut state, &worker, 1);
@@ -1569,7 +1596,7 @@ mod tests {
             state.worker_lost(&worker, "killed");
         }
         assert_eq!(job_state(&state, &id), JobState::Failed);
-        let error = state.result(&id).unwrap().error;
+        let error = state.result(T, &id).unwrap().error;
         assert!(
             error.contains("stage `map` task 0 is poisoned: the 3 workers that ran it died (the last: victim-2)"),
             "{error}"
@@ -1590,7 +1617,7 @@ mod tests {
         assert_eq!((idle.desired_workers, idle.retirable_workers.len()), (0, 2));
 
         // 40 maps of unknown duration (0.5 s assumed) to finish in 5 s on 1-slot workers: 4.
-        let (id, _) = state.submit(map_reduce(40));
+        let (id, _) = state.submit(T, map_reduce(40));
         let advice = state.scaling_advice(Duration::from_secs(5));
         assert_eq!(advice.backlog_tasks, 41);
         assert_eq!(
@@ -1631,14 +1658,14 @@ mod tests {
             !advice.retirable_workers.contains(&holder),
             "the result is not fetched yet"
         );
-        state.release(&id).unwrap();
+        state.release(T, &id).unwrap();
         let advice = state.scaling_advice(Duration::from_secs(1));
         assert_eq!(
             advice.retirable_workers,
             vec!["a".to_string(), "b".to_string()]
         );
         assert!(
-            state.result(&id).unwrap().partitions.is_empty(),
+            state.result(T, &id).unwrap().partitions.is_empty(),
             "released results are gone"
         );
     }
@@ -1662,7 +1689,7 @@ mod tests {
     fn outputs_are_released_once_nothing_needs_them_and_recomputed_if_needed_again() {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);
-        let (id, _) = state.submit(chain());
+        let (id, _) = state.submit(T, chain());
         let read = assigned(&state.dispatch()).remove(0);
         let out = state.task_done("a", done(&read, 5));
         assert!(
@@ -1697,9 +1724,35 @@ mod tests {
         );
         assert_eq!(job_state(&state, &id), JobState::Succeeded);
         assert_eq!(
-            state.result(&id).unwrap().partitions.len(),
+            state.result(T, &id).unwrap().partitions.len(),
             1,
             "the final output is kept"
+        );
+    }
+
+    #[test]
+    fn a_tenant_sees_and_touches_only_its_own_jobs() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let (alice_job, _) = state.submit("alice", map_reduce(1));
+        let (bob_job, _) = state.submit("bob", map_reduce(1));
+        let unknown = |e: StateError| assert_eq!(e, StateError::UnknownJob(alice_job.clone()));
+        unknown(state.watch("bob", &alice_job).map(|_| ()).unwrap_err());
+        unknown(state.result("bob", &alice_job).map(|_| ()).unwrap_err());
+        unknown(state.cancel("bob", &alice_job).map(|_| ()).unwrap_err());
+        unknown(state.release("bob", &alice_job).map(|_| ()).unwrap_err());
+        let listed: Vec<String> = state
+            .status("bob")
+            .jobs
+            .into_iter()
+            .map(|j| j.job_id)
+            .collect();
+        assert_eq!(listed, vec![bob_job.clone()]);
+        assert_eq!(state.status("bob").workers.len(), 1, "workers are shared");
+        assert!(state.result("alice", &alice_job).is_ok());
+        assert!(
+            state.cancel("alice", &alice_job).is_ok(),
+            "alice can cancel her own job"
         );
     }
 
@@ -1707,23 +1760,23 @@ mod tests {
     fn stale_reports_are_ignored() {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);
-        let (id, _) = state.submit(map_reduce(1));
+        let (id, _) = state.submit(T, map_reduce(1));
         let task = assigned(&state.dispatch()).remove(0);
         state.task_done("someone-else", done(&task, 1));
         assert_eq!(job_state(&state, &id), JobState::Running);
         let mut old = task.clone();
         old.task.as_mut().unwrap().attempt = 7;
         state.task_done("a", done(&old, 1));
-        assert_eq!(state.result(&id).unwrap().state(), JobState::Running);
+        assert_eq!(state.result(T, &id).unwrap().state(), JobState::Running);
     }
 
     #[test]
     fn cancel_stops_running_tasks_and_releases_data() {
         let mut state = State::new();
         let mut a = add_worker(&mut state, "a", 2);
-        let (id, _) = state.submit(map_reduce(3));
+        let (id, _) = state.submit(T, map_reduce(3));
         state.dispatch();
-        let out = state.cancel(&id).unwrap();
+        let out = state.cancel(T, &id).unwrap();
         let cancels = out
             .iter()
             .filter(|(_, m)| matches!(m.kind, Some(ToWorker::Cancel(_))))

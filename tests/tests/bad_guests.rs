@@ -23,7 +23,7 @@ fn write_job(dir: &Path, name: &str, module: &Path, extra: &str) -> std::path::P
 
 async fn run(cluster: &LocalCluster, job_file: &Path) -> Result<usize, String> {
     let spec = job::plan(job_file, &Overrides::default()).map_err(|e| format!("{e:#}"))?;
-    wrk_cli::client::run_job(&cluster.scheduler_url, spec, false)
+    wrk_cli::client::run_job(&cluster.scheduler_url, None, spec, false)
         .await
         .map(|outcome| outcome.tables.len())
         .map_err(|e| format!("{e:#}"))

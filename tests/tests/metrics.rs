@@ -106,7 +106,7 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
         &overrides,
     )
     .unwrap();
-    let outcome = wrk_cli::client::run_job(&cluster.scheduler_url, spec, false)
+    let outcome = wrk_cli::client::run_job(&cluster.scheduler_url, None, spec, false)
         .await
         .unwrap();
     assert_eq!(
@@ -147,7 +147,7 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
     );
 
     // Every worker serves its own metrics, at the address it registered.
-    let status = wrk_cli::client::cluster_status(&cluster.scheduler_url)
+    let status = wrk_cli::client::cluster_status(&cluster.scheduler_url, None)
         .await
         .unwrap();
     let mut worker_tasks = 0.0;

@@ -33,3 +33,77 @@ impl std::fmt::Display for PartitionKey {
         )
     }
 }
+
+/// Authentication: callers send `authorization: Bearer <token>` (a tenant's token for client
+/// calls, the cluster's worker token for worker calls).
+pub mod auth {
+    use tonic::metadata::{Ascii, MetadataValue};
+    use tonic::service::Interceptor;
+    use tonic::service::interceptor::InterceptedService;
+    use tonic::transport::Channel;
+    use tonic::{Request, Status};
+
+    /// A channel whose calls carry a bearer token.
+    pub type AuthChannel = InterceptedService<Channel, BearerToken>;
+
+    /// Adds the token, if any, to every call.
+    #[derive(Clone, Default)]
+    pub struct BearerToken(Option<MetadataValue<Ascii>>);
+
+    /// A token that cannot travel in an HTTP header.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct InvalidToken;
+
+    impl std::fmt::Display for InvalidToken {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a token must be printable ASCII without spaces")
+        }
+    }
+
+    impl std::error::Error for InvalidToken {}
+
+    impl BearerToken {
+        pub fn new(token: Option<&str>) -> Result<Self, InvalidToken> {
+            match token {
+                None => Ok(BearerToken(None)),
+                Some(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()) => {
+                    let value = format!("Bearer {t}").parse().map_err(|_| InvalidToken)?;
+                    Ok(BearerToken(Some(value)))
+                }
+                Some(_) => Err(InvalidToken),
+            }
+        }
+    }
+
+    impl Interceptor for BearerToken {
+        fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+            if let Some(value) = &self.0 {
+                request
+                    .metadata_mut()
+                    .insert("authorization", value.clone());
+            }
+            Ok(request)
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn tokens_must_fit_in_a_header() {
+            assert!(BearerToken::new(Some("abc-123_XYZ")).is_ok());
+            assert_eq!(
+                BearerToken::new(Some("has space")).err(),
+                Some(InvalidToken)
+            );
+            assert_eq!(BearerToken::new(Some("")).err(), Some(InvalidToken));
+            let mut interceptor = BearerToken::new(Some("t0k3n")).unwrap();
+            let request = interceptor.call(Request::new(())).unwrap();
+            assert_eq!(
+                request.metadata().get("authorization").unwrap(),
+                "Bearer t0k3n"
+            );
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! Tenants across real processes: a scheduler with a tenants file and a worker token; a worker
+//! with the wrong token is refused; one tenant cannot list, read or cancel another's jobs; unknown
+//! and missing tokens are refused with a clear message.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use wrk_proto::JobRef;
+
+const ALICE: &str = "alice-token-0123456789";
+const BOB: &str = "bob-token-0123456789ab";
+const WORKERS: &str = "worker-token-0123456789";
+
+/// Kills its child processes when dropped, so a failing test leaves nothing running.
+struct Processes(Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn wrk_as(token: Option<&str>, args: &[&str]) -> Output {
+    let mut command = Command::new(wrk());
+    command.args(args).env_remove("WRK_TOKEN");
+    if let Some(token) = token {
+        command.env("WRK_TOKEN", token);
+    }
+    command.output().expect("run wrk")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
+    let _ = guest("taxi-haversine");
+    let data = taxi_dataset(20_000, 1, 10_000);
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    std::fs::write(
+        &tenants,
+        format!("[[tenant]]\nname = \"alice\"\ntoken = \"{ALICE}\"\n[[tenant]]\nname = \"bob\"\ntoken = \"{BOB}\"\n"),
+    )
+    .unwrap();
+
+    let mut processes = Processes(Vec::new());
+    let mut scheduler = Command::new(wrk())
+        .args([
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--tenants",
+        ])
+        .arg(&tenants)
+        .env("WRK_WORKER_TOKEN", WORKERS)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start wrk scheduler");
+    let output = scheduler.stderr.take().unwrap();
+    processes.0.push(scheduler);
+    let mut lines = BufReader::new(output).lines();
+    let url = loop {
+        let line = lines
+            .next()
+            .expect("scheduler exited early")
+            .expect("scheduler output");
+        if let Some(address) = line.strip_prefix("wrk scheduler listening on ") {
+            break format!("http://{}", address.trim());
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+
+    // A worker with the wrong token is refused and says why.
+    let refused = Command::new(wrk())
+        .args([
+            "worker",
+            "--scheduler",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+            "--token",
+            "wrong-token-000000000",
+        ])
+        .output()
+        .expect("run a worker with a wrong token");
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains("unknown worker token"),
+        "{}",
+        stderr(&refused)
+    );
+
+    let worker = Command::new(wrk())
+        .args([
+            "worker",
+            "--scheduler",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+            "--id",
+            "w1",
+        ])
+        .env("WRK_WORKER_TOKEN", WORKERS)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start wrk worker");
+    processes.0.push(worker);
+    let started = Instant::now();
+    while !String::from_utf8_lossy(&wrk_as(Some(ALICE), &["status", "--scheduler", &url]).stdout)
+        .contains("workers: 1")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the worker did not register"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Alice runs a job.
+    let job = workspace_root().join("guest-examples/taxi-haversine/job.toml");
+    let source = format!("trips={}", data.path().display());
+    let run = wrk_as(
+        Some(ALICE),
+        &[
+            "submit",
+            job.to_str().unwrap(),
+            "--scheduler",
+            &url,
+            "--quiet",
+            "--source",
+            &source,
+        ],
+    );
+    assert!(run.status.success(), "alice's job failed: {}", stderr(&run));
+    let job_id = stderr(&run)
+        .split_whitespace()
+        .find(|w| w.starts_with("(job-"))
+        .map(|w| w.trim_matches(|c| c == '(' || c == ')').to_string())
+        .expect("the job id is reported");
+
+    // Alice sees it; Bob does not, and cannot read or cancel it.
+    let listed = |token| {
+        let out = wrk_as(
+            Some(token),
+            &["status", "--scheduler", &url, "--output", "json"],
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status JSON");
+        json["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| j["id"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(listed(ALICE), vec![job_id.clone()]);
+    assert!(listed(BOB).is_empty(), "bob lists no job");
+    let cancel = wrk_as(Some(BOB), &["cancel", &job_id, "--scheduler", &url]);
+    assert!(!cancel.status.success());
+    assert!(
+        stderr(&cancel).contains(&format!("no job `{job_id}`")),
+        "{}",
+        stderr(&cancel)
+    );
+    let mut bob = wrk_cli::client::connect(&url, Some(BOB)).await.unwrap();
+    for status in [
+        bob.get_job_result(JobRef {
+            job_id: job_id.clone(),
+        })
+        .await
+        .unwrap_err(),
+        bob.watch_job(JobRef {
+            job_id: job_id.clone(),
+        })
+        .await
+        .map(|_| ())
+        .unwrap_err(),
+        bob.release_job(JobRef {
+            job_id: job_id.clone(),
+        })
+        .await
+        .unwrap_err(),
+    ] {
+        assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    }
+
+    // Unknown and missing tokens are refused.
+    let unknown = wrk_as(
+        Some("nobody-token-0123456789"),
+        &["status", "--scheduler", &url],
+    );
+    assert!(!unknown.status.success());
+    assert!(
+        stderr(&unknown).contains("unknown tenant token"),
+        "{}",
+        stderr(&unknown)
+    );
+    let missing = wrk_as(None, &["status", "--scheduler", &url]);
+    assert!(!missing.status.success());
+    assert!(
+        stderr(&missing).contains("requires a tenant token"),
+        "{}",
+        stderr(&missing)
+    );
+}
