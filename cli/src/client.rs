@@ -147,7 +147,7 @@ pub async fn run_job(
         let key = location.key.clone().unwrap_or_default();
         tables.push(
             peers
-                .fetch(&location.address, &key)
+                .fetch(&location.address, &key, &location.ticket)
                 .await
                 .with_context(|| format!("fetching the results of job `{name}`"))?,
         );

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use futures::Stream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
+use wrk_proto::auth::{TICKET_METADATA, ticket_is_valid};
 use wrk_proto::worker_client::WorkerClient;
 use wrk_proto::worker_server::Worker;
 use wrk_proto::{DataChunk, MAX_MESSAGE_BYTES, PartitionKey};
@@ -43,14 +44,22 @@ pub struct DataService {
     worker_id: String,
     store: Arc<PartitionStore>,
     metrics: WorkerMetrics,
+    /// When set (the cluster's worker token), a fetch must carry the partition's ticket.
+    ticket_secret: Option<Vec<u8>>,
 }
 
 impl DataService {
-    pub fn new(worker_id: String, store: Arc<PartitionStore>, metrics: WorkerMetrics) -> Self {
+    pub fn new(
+        worker_id: String,
+        store: Arc<PartitionStore>,
+        metrics: WorkerMetrics,
+        ticket_secret: Option<Vec<u8>>,
+    ) -> Self {
         DataService {
             worker_id,
             store,
             metrics,
+            ticket_secret,
         }
     }
 }
@@ -65,6 +74,19 @@ impl Worker for DataService {
         &self,
         request: Request<PartitionKey>,
     ) -> Result<Response<ChunkStream>, Status> {
+        if let Some(secret) = &self.ticket_secret {
+            let ticket = request
+                .metadata()
+                .get(TICKET_METADATA)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            if !ticket_is_valid(secret, request.get_ref(), ticket) {
+                return Err(Status::permission_denied(format!(
+                    "a missing or invalid ticket for partition {}",
+                    request.get_ref()
+                )));
+            }
+        }
         let key = request.into_inner();
         let Some(table) = self.store.get(&PartitionId::from(&key)) else {
             return Err(Status::not_found(format!(
@@ -135,8 +157,14 @@ impl PeerClient {
         Ok(channel)
     }
 
-    /// Fetches one partition from the worker at `address`.
-    pub async fn fetch(&self, address: &str, key: &PartitionKey) -> Result<Table, TransferError> {
+    /// Fetches one partition from the worker at `address`, presenting its ticket (empty when the
+    /// cluster needs none).
+    pub async fn fetch(
+        &self,
+        address: &str,
+        key: &PartitionKey,
+        ticket: &str,
+    ) -> Result<Table, TransferError> {
         let fetch_err = |status: String| TransferError::Fetch {
             address: address.to_string(),
             key: key.to_string(),
@@ -144,8 +172,15 @@ impl PeerClient {
         };
         let mut client = WorkerClient::new(self.channel(address).await?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let mut request = tonic::Request::new(key.clone());
+        if !ticket.is_empty() {
+            let value = ticket
+                .parse()
+                .map_err(|_| fetch_err("the partition's ticket is not valid metadata".into()))?;
+            request.metadata_mut().insert(TICKET_METADATA, value);
+        }
         let mut stream = client
-            .fetch_partition(key.clone())
+            .fetch_partition(request)
             .await
             .map_err(|s| fetch_err(s.message().to_string()))?
             .into_inner();
@@ -174,5 +209,73 @@ impl PeerClient {
                 detail: e.to_string(),
             })?;
         Ok(Table::new(batch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::Int64Array;
+    use arrow::record_batch::RecordBatch;
+    use wrk_proto::auth::partition_ticket;
+
+    fn service() -> (DataService, PartitionKey) {
+        let store = Arc::new(PartitionStore::new());
+        let key = PartitionKey {
+            job_id: "job-000001".into(),
+            stage: 0,
+            task: 0,
+            output: 0,
+        };
+        let batch =
+            RecordBatch::try_from_iter([("x", Arc::new(Int64Array::from(vec![1, 2])) as _)])
+                .unwrap();
+        store.insert(PartitionId::from(&key), Table::new(batch));
+        let metrics = WorkerMetrics::new(crate::metrics::compile_cache_counter());
+        (
+            DataService::new("w".into(), store, metrics, Some(b"cluster-secret".to_vec())),
+            key,
+        )
+    }
+
+    fn request(key: &PartitionKey, ticket: Option<&str>) -> Request<PartitionKey> {
+        let mut request = Request::new(key.clone());
+        if let Some(ticket) = ticket {
+            request
+                .metadata_mut()
+                .insert(TICKET_METADATA, ticket.parse().unwrap());
+        }
+        request
+    }
+
+    #[tokio::test]
+    async fn partitions_are_served_only_with_their_ticket() {
+        let (service, key) = service();
+        let missing = service
+            .fetch_partition(request(&key, None))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(missing.code(), tonic::Code::PermissionDenied);
+        assert!(
+            missing
+                .message()
+                .contains("invalid ticket for partition job-000001/0/0/0"),
+            "{missing:?}"
+        );
+        let forged = partition_ticket(b"guessed-secret", &key);
+        let wrong = service
+            .fetch_partition(request(&key, Some(&forged)))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(wrong.code(), tonic::Code::PermissionDenied);
+        let ticket = partition_ticket(b"cluster-secret", &key);
+        assert!(
+            service
+                .fetch_partition(request(&key, Some(&ticket)))
+                .await
+                .is_ok()
+        );
     }
 }

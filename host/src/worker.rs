@@ -143,6 +143,7 @@ pub async fn run(
         worker_id.clone(),
         store.clone(),
         metrics.clone(),
+        config.token.as_ref().map(|t| t.as_bytes().to_vec()),
     ))
     .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let data_server = tokio::spawn(
@@ -548,7 +549,7 @@ async fn load_input(shared: &Arc<Shared>, input: &wrk_proto::TaskInput) -> Resul
             }
             shared
                 .peers
-                .fetch(&location.address, &key)
+                .fetch(&location.address, &key, &location.ticket)
                 .await
                 .map_err(Failure::retriable)
         }

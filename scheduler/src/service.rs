@@ -93,7 +93,12 @@ fn send(out: Outgoing) {
 impl SchedulerService {
     pub fn new(config: SchedulerConfig) -> Self {
         SchedulerService {
-            state: Arc::new(Mutex::new(State::new())),
+            state: Arc::new(Mutex::new({
+                let mut state = State::new();
+                state
+                    .set_ticket_secret(config.worker_token.as_ref().map(|t| t.as_bytes().to_vec()));
+                state
+            })),
             config,
         }
     }

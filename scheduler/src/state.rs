@@ -150,6 +150,8 @@ pub struct State {
     idle: VecDeque<String>,
     next_job: u64,
     metrics: SchedulerMetrics,
+    /// Signs partition locations when the cluster has a worker token.
+    ticket_secret: Option<Vec<u8>>,
 }
 
 fn is_terminal(state: JobState) -> bool {
@@ -594,25 +596,10 @@ impl State {
         for (s, i) in job.inputs_of(task.stage, task.index) {
             if let TaskStatus::Done { worker, outputs } = &job.tasks[s as usize][i as usize].status
             {
-                let address = self
-                    .workers
-                    .get(worker)
-                    .map(|w| w.address.clone())
-                    .unwrap_or_default();
                 for (output, meta) in outputs.iter().enumerate() {
+                    let location = self.location(&job.id, (s, i, output as u32), worker, meta);
                     inputs.push(TaskInput {
-                        kind: Some(task_input::Kind::Partition(PartitionLocation {
-                            key: Some(PartitionKey {
-                                job_id: job.id.clone(),
-                                stage: s,
-                                task: i,
-                                output: output as u32,
-                            }),
-                            worker_id: worker.clone(),
-                            address: address.clone(),
-                            rows: meta.rows,
-                            bytes: meta.bytes,
-                        })),
+                        kind: Some(task_input::Kind::Partition(location)),
                     });
                 }
             }
@@ -1105,6 +1092,45 @@ impl State {
         m.render()
     }
 
+    /// Signs partition locations from now on with `secret` (the cluster's worker token), so
+    /// workers serve partitions only to holders of a location the scheduler handed out.
+    pub fn set_ticket_secret(&mut self, secret: Option<Vec<u8>>) {
+        self.ticket_secret = secret;
+    }
+
+    /// Where output `(stage, task, output)` of a job is, with its ticket.
+    fn location(
+        &self,
+        job_id: &str,
+        (stage, task, output): (u32, u32, u32),
+        worker: &str,
+        meta: &OutputMeta,
+    ) -> PartitionLocation {
+        let key = PartitionKey {
+            job_id: job_id.to_string(),
+            stage,
+            task,
+            output,
+        };
+        let ticket = self
+            .ticket_secret
+            .as_deref()
+            .map(|secret| wrk_proto::auth::partition_ticket(secret, &key))
+            .unwrap_or_default();
+        PartitionLocation {
+            key: Some(key),
+            worker_id: worker.to_string(),
+            address: self
+                .workers
+                .get(worker)
+                .map(|w| w.address.clone())
+                .unwrap_or_default(),
+            rows: meta.rows,
+            bytes: meta.bytes,
+            ticket,
+        }
+    }
+
     /// The worker a task attempt is running on, if it is running.
     pub fn worker_of(&self, id: &TaskId) -> Option<String> {
         let job = self.jobs.get(self.job_ids.get(&id.job_id)?)?;
@@ -1127,24 +1153,9 @@ impl State {
             for stage in job.final_stages() {
                 for (index, entry) in job.tasks[stage as usize].iter().enumerate() {
                     if let TaskStatus::Done { worker, outputs } = &entry.status {
-                        let address = self
-                            .workers
-                            .get(worker)
-                            .map(|w| w.address.clone())
-                            .unwrap_or_default();
                         for (output, meta) in outputs.iter().enumerate() {
-                            partitions.push(PartitionLocation {
-                                key: Some(PartitionKey {
-                                    job_id: job.id.clone(),
-                                    stage,
-                                    task: index as u32,
-                                    output: output as u32,
-                                }),
-                                worker_id: worker.clone(),
-                                address: address.clone(),
-                                rows: meta.rows,
-                                bytes: meta.bytes,
-                            });
+                            let key = (stage, index as u32, output as u32);
+                            partitions.push(self.location(&job.id, key, worker, meta));
                         }
                     }
                 }

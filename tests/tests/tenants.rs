@@ -194,6 +194,68 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
         assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
     }
 
+    // The data plane: a result partition is served straight from the worker only with the
+    // ticket the scheduler signed for its owner.
+    let overrides = wrk_cli::job::Overrides {
+        sources: vec![("trips".into(), data.path().display().to_string())],
+        ..Default::default()
+    };
+    let spec = wrk_cli::job::plan(&job, &overrides).unwrap();
+    let mut alice = wrk_cli::client::connect(&url, Some(ALICE)).await.unwrap();
+    let second = alice
+        .submit_job(wrk_proto::SubmitJobRequest { job: Some(spec) })
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let mut progress = alice
+        .watch_job(JobRef {
+            job_id: second.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    while let Some(p) = progress.message().await.unwrap() {
+        if p.state() == wrk_proto::JobState::Succeeded {
+            break;
+        }
+        assert_ne!(p.state(), wrk_proto::JobState::Failed, "{}", p.error);
+    }
+    let result = alice
+        .get_job_result(JobRef {
+            job_id: second.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let location = result
+        .partitions
+        .first()
+        .expect("a result partition")
+        .clone();
+    let key = location.key.clone().unwrap();
+    assert!(
+        !location.ticket.is_empty(),
+        "the scheduler signs locations when workers have a token"
+    );
+    let peers = wrk_host::transfer::PeerClient::new();
+    let refused = peers
+        .fetch(&location.address, &key, "")
+        .await
+        .expect_err("no ticket, no data");
+    assert!(refused.to_string().contains("invalid ticket"), "{refused}");
+    let forged = wrk_proto::auth::partition_ticket(b"a-guess", &key);
+    assert!(
+        peers.fetch(&location.address, &key, &forged).await.is_err(),
+        "a forged ticket is refused"
+    );
+    let table = peers
+        .fetch(&location.address, &key, &location.ticket)
+        .await
+        .expect("the owner's ticket works");
+    assert_eq!(table.num_rows() as u64, location.rows);
+    alice.release_job(JobRef { job_id: second }).await.unwrap();
+
     // Unknown and missing tokens are refused.
     let unknown = wrk_as(
         Some("nobody-token-0123456789"),

@@ -86,9 +86,53 @@ pub mod auth {
         }
     }
 
+    /// The metadata key carrying a partition ticket on `Worker.FetchPartition`.
+    pub const TICKET_METADATA: &str = "wrk-ticket";
+
+    /// The ticket for partition `key`: HMAC-SHA256 under the cluster's worker token, in hex.
+    pub fn partition_ticket(secret: &[u8], key: &crate::PartitionKey) -> String {
+        use hmac::{KeyInit, Mac};
+        // HMAC accepts keys of any length.
+        let mut mac = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(secret)
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        mac.update(key.to_string().as_bytes());
+        hex::encode(mac.finalize().into_bytes())
+    }
+
+    /// Whether `ticket` is the ticket of `key` (compared in constant time).
+    pub fn ticket_is_valid(secret: &[u8], key: &crate::PartitionKey, ticket: &str) -> bool {
+        use hmac::{KeyInit, Mac};
+        let Ok(expected) = hex::decode(ticket) else {
+            return false;
+        };
+        let mut mac = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(secret)
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        mac.update(key.to_string().as_bytes());
+        mac.verify_slice(&expected).is_ok()
+    }
+
     #[cfg(test)]
     mod tests {
         use super::*;
+
+        #[test]
+        fn tickets_bind_the_key_and_the_secret() {
+            let key = crate::PartitionKey {
+                job_id: "job-000001".into(),
+                stage: 1,
+                task: 2,
+                output: 0,
+            };
+            let ticket = partition_ticket(b"secret", &key);
+            assert!(ticket_is_valid(b"secret", &key, &ticket));
+            assert!(!ticket_is_valid(b"other", &key, &ticket));
+            let other = crate::PartitionKey {
+                task: 3,
+                ..key.clone()
+            };
+            assert!(!ticket_is_valid(b"secret", &other, &ticket));
+            assert!(!ticket_is_valid(b"secret", &key, "not hex"));
+        }
 
         #[test]
         fn tokens_must_fit_in_a_header() {
