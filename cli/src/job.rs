@@ -122,6 +122,29 @@ fn resolve(base: &Path, path: &str) -> String {
     }
 }
 
+/// The job file's grants (paths resolved against `base`), with command-line overrides.
+fn grants(
+    base: &Path,
+    entries: &BTreeMap<String, PathEntry>,
+    overrides: &[(String, String)],
+) -> HashMap<String, Grant> {
+    let mut grants: HashMap<String, Grant> = entries
+        .iter()
+        .map(|(name, entry)| {
+            (
+                name.clone(),
+                Grant {
+                    uri: resolve(base, &entry.path),
+                },
+            )
+        })
+        .collect();
+    for (name, uri) in overrides {
+        grants.insert(name.clone(), Grant { uri: uri.clone() });
+    }
+    grants
+}
+
 /// Reads a job file.
 pub fn load(path: &Path) -> Result<JobFile> {
     let text = std::fs::read_to_string(path)
@@ -146,36 +169,8 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
         .map(|(k, v)| (k.clone(), param_text(v)))
         .collect();
     params.extend(overrides.params.iter().cloned());
-    let mut sources: HashMap<String, Grant> = file
-        .sources
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                Grant {
-                    uri: resolve(base, &v.path),
-                },
-            )
-        })
-        .collect();
-    for (name, uri) in &overrides.sources {
-        sources.insert(name.clone(), Grant { uri: uri.clone() });
-    }
-    let mut sinks: HashMap<String, Grant> = file
-        .sinks
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                Grant {
-                    uri: resolve(base, &v.path),
-                },
-            )
-        })
-        .collect();
-    for (name, uri) in &overrides.sinks {
-        sinks.insert(name.clone(), Grant { uri: uri.clone() });
-    }
+    let sources = grants(base, &file.sources, &overrides.sources);
+    let sinks = grants(base, &file.sinks, &overrides.sinks);
 
     let mut modules: Vec<Module> = Vec::new();
     let mut module_hashes: HashMap<PathBuf, String> = HashMap::new();

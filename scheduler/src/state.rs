@@ -650,13 +650,19 @@ impl State {
         })
     }
 
+    /// A worker reports the end of a task attempt: frees its place, and returns the task if the
+    /// report is about its current attempt (not stale, not foreign).
+    fn attempt_ended(&mut self, worker_id: &str, id: &TaskId) -> Option<TaskRef> {
+        let number = self.job_ids.get(&id.job_id).copied().unwrap_or(0);
+        self.release_slot(worker_id, (number, id.stage, id.index));
+        self.current(worker_id, id)
+    }
+
     pub fn task_done(&mut self, worker_id: &str, done: TaskDone) -> Outgoing {
         let Some(id) = done.task else {
             return Vec::new();
         };
-        let number = self.job_ids.get(&id.job_id).copied().unwrap_or(0);
-        self.release_slot(worker_id, (number, id.stage, id.index));
-        let Some(task) = self.current(worker_id, &id) else {
+        let Some(task) = self.attempt_ended(worker_id, &id) else {
             return self.dispatch();
         };
         let job = self
@@ -737,9 +743,7 @@ impl State {
         let Some(id) = failed.task else {
             return Vec::new();
         };
-        let number = self.job_ids.get(&id.job_id).copied().unwrap_or(0);
-        self.release_slot(worker_id, (number, id.stage, id.index));
-        let Some(task) = self.current(worker_id, &id) else {
+        let Some(task) = self.attempt_ended(worker_id, &id) else {
             return self.dispatch();
         };
         let job = self

@@ -4,8 +4,8 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
+use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -13,30 +13,15 @@ use common::*;
 use wrk_cli::job::{self, Overrides};
 use wrk_cli::local::{LocalCluster, LocalClusterConfig};
 
-/// A plain HTTP/1.1 GET; returns the body after checking the status and content type.
+/// `/metrics` of `base`, after checking its content type.
 fn scrape(base: &str) -> String {
-    let address = base.trim_start_matches("http://");
-    let mut stream = TcpStream::connect(address).expect("connect to the metrics endpoint");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream
-        .read_to_string(&mut response)
-        .expect("read the response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (head, body) = http_get(base, "/metrics");
     assert!(
         head.to_lowercase()
             .contains("content-type: text/plain; version=0.0.4"),
         "{head}"
     );
-    body.to_string()
+    body
 }
 
 /// `promtool check metrics` on the exposition; panics with its findings.

@@ -4,66 +4,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
-
-/// Kills its child processes when dropped, so a failing test leaves nothing running.
-struct Processes(Vec<Child>);
-
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-/// Starts a scheduler; returns its URL and its log lines as they arrive.
-fn start_scheduler(processes: &mut Processes) -> (String, Arc<Mutex<Vec<String>>>) {
-    let mut scheduler = Command::new(wrk())
-        .args([
-            "scheduler",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--heartbeat-ms",
-            "100",
-            "--worker-timeout-secs",
-            "2",
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start wrk scheduler");
-    let stderr = scheduler.stderr.take().expect("scheduler stderr");
-    processes.0.push(scheduler);
-    let mut lines = BufReader::new(stderr).lines();
-    let address = loop {
-        let line = lines
-            .next()
-            .expect("scheduler exited early")
-            .expect("scheduler output");
-        if let Some(address) = line.strip_prefix("wrk scheduler listening on ") {
-            break address.trim().to_string();
-        }
-    };
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            if let Ok(mut log) = sink.lock() {
-                log.push(line);
-            }
-        }
-    });
-    (format!("http://{address}"), log)
-}
 
 fn start_worker(url: &str, id: &str, cache: &Path) -> Child {
     Command::new(wrk())
@@ -83,24 +28,6 @@ fn start_worker(url: &str, id: &str, cache: &Path) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .expect("start wrk worker")
-}
-
-fn wait_for_workers(url: &str, count: usize) {
-    let started = Instant::now();
-    loop {
-        let status = Command::new(wrk())
-            .args(["status", "--scheduler", url])
-            .output()
-            .expect("wrk status");
-        if String::from_utf8_lossy(&status.stdout).contains(&format!("workers: {count}")) {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{count} workers did not register"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -141,11 +68,16 @@ inputs = ["distance"]
 
     let cache = dir.path().join("cache");
     let mut processes = Processes(Vec::new());
-    let (url, log) = start_scheduler(&mut processes);
+    let scheduler = start_scheduler(
+        &mut processes,
+        &["--heartbeat-ms", "100", "--worker-timeout-secs", "2"],
+        &[],
+    );
+    let (url, log) = (scheduler.url.clone(), scheduler.log.clone());
     let mut workers: Vec<Child> = (0..3)
         .map(|i| start_worker(&url, &format!("w{i}"), &cache))
         .collect();
-    wait_for_workers(&url, 3);
+    wait_for_workers(&url, 3, None);
 
     for round in 0..10u64 {
         let result = dir.path().join(format!("summary-{round}.parquet"));

@@ -3,9 +3,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
 use common::*;
 
@@ -39,54 +37,13 @@ fn taxi_job_on_an_embedded_cluster_matches_the_reference() {
     assert_summaries_match(&read_summary(&result), &taxi_reference(data.path()));
 }
 
-/// Kills its child processes when dropped, so a failing test leaves nothing running.
-struct Processes(Vec<Child>);
-
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 #[test]
 fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
     let _ = guest("taxi-haversine");
     let data = taxi_dataset(90_000, 2, 15_000);
     let mut processes = Processes(Vec::new());
-    let mut scheduler = Command::new(wrk())
-        .args([
-            "scheduler",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start wrk scheduler");
-    let stderr = scheduler.stderr.take().expect("scheduler stderr");
-    processes.0.push(scheduler);
-    let mut lines = BufReader::new(stderr).lines();
-    let mut http = None;
-    let address = loop {
-        let line = lines
-            .next()
-            .expect("scheduler exited early")
-            .expect("read scheduler output");
-        if let Some(address) = line.strip_prefix("wrk scheduler http on ") {
-            http = Some(address.trim().to_string());
-        }
-        if let Some(address) = line.strip_prefix("wrk scheduler listening on ") {
-            break address.trim().to_string();
-        }
-    };
-    let http = http.expect("the scheduler announces its HTTP address first");
-    // Keep draining the scheduler's log so it never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    let url = format!("http://{address}");
+    let scheduler = start_scheduler(&mut processes, &[], &[]);
+    let (url, http) = (scheduler.url.clone(), scheduler.http.clone());
     for id in ["w1", "w2"] {
         let worker = Command::new(wrk())
             .args([
@@ -103,21 +60,7 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
             .expect("start wrk worker");
         processes.0.push(worker);
     }
-    let started = Instant::now();
-    loop {
-        let status = Command::new(wrk())
-            .args(["status", "--scheduler", &url])
-            .output()
-            .expect("wrk status");
-        if String::from_utf8_lossy(&status.stdout).contains("workers: 2") {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "workers did not register"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_workers(&url, 2, None);
     let out = tempfile::tempdir().unwrap();
     let result = out.path().join("summary.parquet");
     let run = Command::new(wrk())
@@ -161,7 +104,7 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
 
     // Scaling advice over HTTP: no backlog, and the results were fetched and released, so both
     // workers may retire.
-    let advice = http_get(&http, "/scaling?target_secs=30");
+    let (_, advice) = http_get(&http, "/scaling?target_secs=30");
     let advice: serde_json::Value = serde_json::from_str(&advice).expect("scaling advice is JSON");
     assert_eq!(advice["target_secs"], 30.0);
     assert_eq!(advice["current_workers"], 2);
@@ -171,23 +114,4 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
         serde_json::json!(["w1", "w2"]),
         "{advice}"
     );
-}
-
-/// A plain HTTP/1.1 GET; returns the body of a 200 answer.
-fn http_get(address: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut stream =
-        std::net::TcpStream::connect(address).expect("connect to the scheduler's HTTP port");
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream
-        .read_to_string(&mut response)
-        .expect("read the response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    body.to_string()
 }

@@ -4,9 +4,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output, Stdio};
 
 use common::*;
 use wrk_proto::JobRef;
@@ -14,18 +12,6 @@ use wrk_proto::JobRef;
 const ALICE: &str = "alice-token-0123456789";
 const BOB: &str = "bob-token-0123456789ab";
 const WORKERS: &str = "worker-token-0123456789";
-
-/// Kills its child processes when dropped, so a failing test leaves nothing running.
-struct Processes(Vec<Child>);
-
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
 
 fn wrk_as(token: Option<&str>, args: &[&str]) -> Output {
     let mut command = Command::new(wrk());
@@ -53,33 +39,13 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
     .unwrap();
 
     let mut processes = Processes(Vec::new());
-    let mut scheduler = Command::new(wrk())
-        .args([
-            "scheduler",
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--tenants",
-        ])
-        .arg(&tenants)
-        .env("WRK_WORKER_TOKEN", WORKERS)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start wrk scheduler");
-    let output = scheduler.stderr.take().unwrap();
-    processes.0.push(scheduler);
-    let mut lines = BufReader::new(output).lines();
-    let url = loop {
-        let line = lines
-            .next()
-            .expect("scheduler exited early")
-            .expect("scheduler output");
-        if let Some(address) = line.strip_prefix("wrk scheduler listening on ") {
-            break format!("http://{}", address.trim());
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
+    let tenants_arg = tenants.to_str().expect("a UTF-8 temp path");
+    let url = start_scheduler(
+        &mut processes,
+        &["--tenants", tenants_arg],
+        &[("WRK_WORKER_TOKEN", WORKERS)],
+    )
+    .url;
 
     // A worker with the wrong token is refused and says why.
     let refused = Command::new(wrk())
@@ -116,16 +82,7 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
         .spawn()
         .expect("start wrk worker");
     processes.0.push(worker);
-    let started = Instant::now();
-    while !String::from_utf8_lossy(&wrk_as(Some(ALICE), &["status", "--scheduler", &url]).stdout)
-        .contains("workers: 1")
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the worker did not register"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_workers(&url, 1, Some(ALICE));
 
     // Alice runs a job.
     let job = workspace_root().join("guest-examples/taxi-haversine/job.toml");

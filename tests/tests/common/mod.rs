@@ -220,3 +220,121 @@ pub fn assert_summaries_match(actual: &Summary, expected: &Summary) {
         assert_close(&format!("mean_km for passenger_count {key}"), a_mean, *mean);
     }
 }
+
+/// Kills its child processes when dropped, so a failing test leaves nothing running.
+pub struct Processes(pub Vec<std::process::Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A `wrk scheduler` process: its gRPC URL, its HTTP address and its log lines as they arrive.
+pub struct SchedulerProcess {
+    pub url: String,
+    pub http: String,
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+/// Starts `wrk scheduler` on free loopback ports, with `extra` arguments and environment.
+pub fn start_scheduler(
+    processes: &mut Processes,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> SchedulerProcess {
+    use std::io::{BufRead, BufReader};
+    let mut scheduler = Command::new(wrk())
+        .args([
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ])
+        .args(extra)
+        .envs(env.iter().copied())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start wrk scheduler");
+    let stderr = scheduler.stderr.take().expect("scheduler stderr");
+    processes.0.push(scheduler);
+    let mut lines = BufReader::new(stderr).lines();
+    let mut http = None;
+    let address = loop {
+        let line = lines
+            .next()
+            .expect("scheduler exited early")
+            .expect("scheduler output");
+        if let Some(address) = line.strip_prefix("wrk scheduler http on ") {
+            http = Some(address.trim().to_string());
+        }
+        if let Some(address) = line.strip_prefix("wrk scheduler listening on ") {
+            break address.trim().to_string();
+        }
+    };
+    // Keep draining the log so the scheduler never blocks on a full pipe.
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            if let Ok(mut log) = sink.lock() {
+                log.push(line);
+            }
+        }
+    });
+    SchedulerProcess {
+        url: format!("http://{address}"),
+        http: http.expect("the scheduler announces its HTTP address first"),
+        log,
+    }
+}
+
+/// Waits until `count` workers are registered, as `wrk status` (with `token`) reports.
+pub fn wait_for_workers(url: &str, count: usize, token: Option<&str>) {
+    let started = std::time::Instant::now();
+    loop {
+        let mut status = Command::new(wrk());
+        status
+            .args(["status", "--scheduler", url])
+            .env_remove("WRK_TOKEN");
+        if let Some(token) = token {
+            status.env("WRK_TOKEN", token);
+        }
+        let output = status.output().expect("wrk status");
+        if String::from_utf8_lossy(&output.stdout).contains(&format!("workers: {count}")) {
+            return;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "{count} workers did not register"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// A plain HTTP/1.1 GET of `path` on `address` (`host:port`, with or without `http://`);
+/// returns the response head and body.
+pub fn http_get(address: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let address = address.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(address).expect("connect over HTTP");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("set a timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send the request");
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .expect("read the response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "GET {path}: {head}");
+    (head.to_string(), body.to_string())
+}
