@@ -105,6 +105,8 @@ pub struct Overrides {
     pub params: Vec<(String, String)>,
     pub sources: Vec<(String, String)>,
     pub sinks: Vec<(String, String)>,
+    /// Replaces the job's default `module` (stages naming their own module keep it).
+    pub module: Option<PathBuf>,
 }
 
 fn param_text(value: &toml::Value) -> String {
@@ -177,17 +179,16 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
     let mut stages: Vec<Stage> = Vec::new();
     let mut stage_index: HashMap<String, u32> = HashMap::new();
     for entry in &file.stages {
-        let module_path = entry
-            .module
-            .as_ref()
-            .or(file.module.as_ref())
-            .with_context(|| {
-                format!(
-                    "stage `{}` names no module and the job has no default `module`",
-                    entry.name
-                )
-            })?;
-        let module_path = PathBuf::from(resolve(base, &module_path.to_string_lossy()));
+        let module_path = match (&entry.module, &overrides.module, &file.module) {
+            (Some(own), _, _) => PathBuf::from(resolve(base, &own.to_string_lossy())),
+            // A module given on the command line is relative to where the command runs.
+            (None, Some(given), _) => given.clone(),
+            (None, None, Some(default)) => PathBuf::from(resolve(base, &default.to_string_lossy())),
+            (None, None, None) => bail!(
+                "stage `{}` names no module and the job has no default `module`",
+                entry.name
+            ),
+        };
         let hash = match module_hashes.get(&module_path) {
             Some(hash) => hash.clone(),
             None => {
@@ -374,6 +375,25 @@ mod tests {
             err.contains("stage `a`: cannot read module") && err.contains("missing.wasm"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_module_override_replaces_the_default_module_only() {
+        let dir = tempfile::tempdir().unwrap();
+        write_module(dir.path());
+        let other = dir.path().join("other.wasm");
+        std::fs::write(&other, b"another module").unwrap();
+        let file: JobFile = toml::from_str(
+            "name='j'\nmodule='missing.wasm'\n[[stage]]\nname='a'\n[[stage]]\nname='b'\nmodule='m.wasm'",
+        )
+        .unwrap();
+        let overrides = Overrides {
+            module: Some(other),
+            ..Overrides::default()
+        };
+        let spec = build_spec(file, dir.path(), &overrides).unwrap();
+        let names: Vec<&str> = spec.modules.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["other.wasm", "m.wasm"]);
     }
 
     #[test]

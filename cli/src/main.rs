@@ -151,6 +151,9 @@ struct SubmitArgs {
     /// Point a sink at another path (NAME=PATH).
     #[arg(long = "sink", value_parser = job::key_value)]
     sinks: Vec<(String, String)>,
+    /// Run this component instead of the job's default `module`.
+    #[arg(long)]
+    module: Option<PathBuf>,
     /// No progress bars.
     #[arg(long, short)]
     quiet: bool,
@@ -366,6 +369,7 @@ async fn submit(args: SubmitArgs) -> Result<()> {
         params: args.params,
         sources: args.sources,
         sinks: args.sinks,
+        module: args.module,
     };
     let job_path = args.job.clone();
     let spec = tokio::task::spawn_blocking(move || job::plan(&job_path, &overrides)).await??;

@@ -83,6 +83,7 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
 
     let overrides = Overrides {
         sources: vec![("trips".into(), data.path().display().to_string())],
+        module: Some(guest("taxi-haversine")),
         ..Overrides::default()
     };
     let _ = guest("taxi-haversine");

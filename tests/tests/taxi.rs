@@ -25,6 +25,8 @@ fn taxi_job_on_an_embedded_cluster_matches_the_reference() {
         .arg(&result)
         .arg("--source")
         .arg(format!("trips={}", data.path().display()))
+        .arg("--module")
+        .arg(guest("taxi-haversine"))
         .output()
         .expect("run wrk submit");
     assert!(
@@ -70,6 +72,8 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
         .arg(&result)
         .arg("--source")
         .arg(format!("trips={}", data.path().display()))
+        .arg("--module")
+        .arg(guest("taxi-haversine"))
         .output()
         .expect("run wrk submit");
     assert!(

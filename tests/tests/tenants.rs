@@ -97,6 +97,8 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
             "--quiet",
             "--source",
             &source,
+            "--module",
+            guest("taxi-haversine").to_str().expect("a UTF-8 path"),
         ],
     );
     assert!(run.status.success(), "alice's job failed: {}", stderr(&run));
@@ -155,6 +157,7 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
     // ticket the scheduler signed for its owner.
     let overrides = wrk_cli::job::Overrides {
         sources: vec![("trips".into(), data.path().display().to_string())],
+        module: Some(guest("taxi-haversine")),
         ..Default::default()
     };
     let spec = wrk_cli::job::plan(&job, &overrides).unwrap();
