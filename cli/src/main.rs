@@ -576,7 +576,8 @@ async fn run_one(args: RunArgs) -> Result<()> {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let compiled = engine.prepare(&name, &module_hash(&wasm), &wasm)?;
-        Ok(engine.run(&compiled, info, tables, limits)?)
+        let never_cancelled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        Ok(engine.run(&compiled, info, tables, limits, never_cancelled)?)
     })
     .await??;
     eprintln!(

@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, Linker, Resource, types::ComponentItem};
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap};
+use wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap,
+    UpdateDeadline,
+};
 use wasmtime_wasi::WasiCtxBuilder;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
@@ -78,6 +81,8 @@ pub enum TaskError {
     },
     #[error("module `{module}` exceeded its time limit of {limit:?} and was stopped")]
     Timeout { module: String, limit: Duration },
+    #[error("module `{module}` was stopped: its task was cancelled")]
+    Cancelled { module: String },
     #[error("module `{module}` was stopped: {source}")]
     MemoryLimit {
         module: String,
@@ -374,13 +379,15 @@ impl TaskEngine {
         Ok(())
     }
 
-    /// Runs one task attempt in a fresh store. Blocking: call it from a blocking thread.
+    /// Runs one task attempt in a fresh store. Blocking: call it from a blocking thread. Setting
+    /// `cancel` stops the guest within an epoch tick.
     pub fn run(
         &self,
         compiled: &CompiledTask,
         info: Arc<TaskInfo>,
         inputs: Vec<Table>,
         limits: TaskLimits,
+        cancel: Arc<AtomicBool>,
     ) -> Result<TaskRun, TaskError> {
         let started = Instant::now();
         let module = compiled.name.clone();
@@ -399,9 +406,18 @@ impl TaskEngine {
             TaskState::new(info, wasi, MemoryLimiter::new(memory_limit)),
         );
         store.limiter(|state| &mut state.limiter);
-        let ticks = (limits.timeout.as_millis() / EPOCH_TICK.as_millis()).max(1);
-        store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
-        store.epoch_deadline_trap();
+        // Every tick: stop a cancelled task, interrupt one past its time limit, else go on.
+        let deadline = started + limits.timeout;
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(wasmtime::Error::new(Cancelled));
+            }
+            if Instant::now() >= deadline {
+                return Ok(UpdateDeadline::Interrupt);
+            }
+            Ok(UpdateDeadline::Continue(1))
+        });
 
         let classify = |e: wasmtime::Error, store: &Store<TaskState>| {
             classify_failure(e, &module, limits.timeout, store.data().limiter, &output)
@@ -441,6 +457,11 @@ impl TaskEngine {
     }
 }
 
+/// The error a cancelled task's guest is stopped with.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("the task was cancelled")]
+struct Cancelled;
+
 fn classify_failure(
     error: wasmtime::Error,
     module: &str,
@@ -449,6 +470,13 @@ fn classify_failure(
     output: &MemoryOutputPipe,
 ) -> TaskError {
     let module = module.to_string();
+    if error.downcast_ref::<Cancelled>().is_some()
+        || error
+            .chain()
+            .any(|e| e.downcast_ref::<Cancelled>().is_some())
+    {
+        return TaskError::Cancelled { module };
+    }
     let exceeded = error.downcast_ref::<MemoryLimitExceeded>().or_else(|| {
         error
             .chain()

@@ -1,9 +1,10 @@
 //! The worker process: it serves its partitions to peers, attaches to the scheduler, registers,
 //! heartbeats, and runs the tasks it is assigned, keeping their outputs in its partition store.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
@@ -82,6 +83,8 @@ struct Shared {
     scheduler: SchedulerClient<AuthChannel>,
     outbox: mpsc::Sender<WorkerMessage>,
     metrics: WorkerMetrics,
+    /// Cancel flags of the tasks assigned here, by job, stage and index.
+    cancels: std::sync::Mutex<HashMap<TaskKey, Arc<AtomicBool>>>,
     /// One permit per slot: the scheduler may queue more tasks here than run at once.
     slots: tokio::sync::Semaphore,
     running: std::sync::atomic::AtomicU32,
@@ -232,6 +235,7 @@ pub async fn run(
         metrics,
         scheduler,
         outbox: outbox.clone(),
+        cancels: Default::default(),
         slots: tokio::sync::Semaphore::new(config.slots.max(1) as usize),
         running: Default::default(),
     });
@@ -252,10 +256,14 @@ pub async fn run(
             message = inbound.message() => match message {
                 Ok(Some(message)) => match message.kind {
                     Some(FromScheduler::Assign(task)) => {
+                        // Registered here, in message order, so a cancel that follows the
+                        // assignment always finds the task.
+                        let cancel = shared.register(&task);
                         let shared = shared.clone();
-                        tokio::spawn(async move { run_assigned(shared, task).await });
+                        tokio::spawn(async move { run_assigned(shared, task, cancel).await });
                     }
                     Some(FromScheduler::Release(release)) => {
+                        shared.cancel_where(|(job, _, _)| *job == release.job_id);
                         let dropped = shared.store.release_job(&release.job_id);
                         tracing::debug!(job = %release.job_id, dropped, "released job partitions");
                     }
@@ -265,7 +273,9 @@ pub async fn run(
                         }
                     }
                     Some(FromScheduler::Cancel(cancel)) => {
-                        tracing::debug!(task = ?cancel.task, "cancel requested; the attempt's result will be ignored by the scheduler");
+                        if let Some(task) = cancel.task {
+                            shared.cancel_where(|key| *key == (task.job_id.clone(), task.stage, task.index));
+                        }
                     }
                     Some(FromScheduler::Registered(_)) | None => {}
                 },
@@ -360,15 +370,53 @@ async fn connect_with_retry(address: &str, timeout: Duration) -> Result<Channel,
     }
 }
 
-async fn run_assigned(shared: Arc<Shared>, task: AssignTask) {
+/// A task's identity on this worker: job, stage, index.
+type TaskKey = (String, u32, u32);
+
+fn task_key(task: &AssignTask) -> TaskKey {
+    let id = task.task.clone().unwrap_or_default();
+    (id.job_id, id.stage, id.index)
+}
+
+impl Shared {
+    /// Records a newly assigned task; returns the flag that cancels it.
+    fn register(&self, task: &AssignTask) -> Arc<AtomicBool> {
+        let cancel = Arc::new(AtomicBool::new(false));
+        if let Ok(mut cancels) = self.cancels.lock() {
+            cancels.insert(task_key(task), cancel.clone());
+        }
+        cancel
+    }
+
+    /// Stops the tasks whose key matches, running or queued.
+    fn cancel_where(&self, matches: impl Fn(&TaskKey) -> bool) {
+        if let Ok(cancels) = self.cancels.lock() {
+            for (key, flag) in cancels.iter() {
+                if matches(key) {
+                    flag.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+async fn run_assigned(shared: Arc<Shared>, task: AssignTask, cancel: Arc<AtomicBool>) {
     use std::sync::atomic::Ordering;
     let id = task.task.clone().unwrap_or_default();
+    let key = task_key(&task);
     let Ok(_slot) = shared.slots.acquire().await else {
         return; // the semaphore is never closed
     };
     shared.running.fetch_add(1, Ordering::Relaxed);
     shared.metrics.running_tasks.inc();
-    let outcome = execute(&shared, task).await;
+    let outcome = if cancel.load(Ordering::Relaxed) {
+        Err(Failure::fatal("the task was cancelled before it started"))
+    } else {
+        execute(&shared, task, cancel).await
+    };
+    if let Ok(mut cancels) = shared.cancels.lock() {
+        cancels.remove(&key);
+    }
     shared.metrics.running_tasks.dec();
     shared.running.fetch_sub(1, Ordering::Relaxed);
     let outcome_label = if outcome.is_ok() {
@@ -425,6 +473,7 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask) {
 async fn execute(
     shared: &Arc<Shared>,
     task: AssignTask,
+    cancel: Arc<AtomicBool>,
 ) -> Result<(Vec<Table>, TaskStats), Failure> {
     let started = Instant::now();
     let compiled = compiled_module(shared, &task).await?;
@@ -465,11 +514,12 @@ async fn execute(
         },
     };
     let runner = shared.clone();
-    let run =
-        tokio::task::spawn_blocking(move || runner.engine.run(&compiled, info, inputs, limits))
-            .await
-            .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?
-            .map_err(Failure::fatal)?;
+    let run = tokio::task::spawn_blocking(move || {
+        runner.engine.run(&compiled, info, inputs, limits, cancel)
+    })
+    .await
+    .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?
+    .map_err(Failure::fatal)?;
     let metrics = &shared.metrics;
     metrics
         .task_duration

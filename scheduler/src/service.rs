@@ -276,29 +276,21 @@ impl Scheduler for SchedulerService {
             .watch(&tenant, &request.into_inner().job_id)
             .map_err(status)?;
         let stream =
-            futures::stream::unfold((receiver, false), |(mut receiver, finished)| async move {
-                if finished {
-                    return None;
-                }
-                let progress = receiver.borrow_and_update().clone();
-                let terminal = matches!(
-                    progress.state(),
-                    JobState::Succeeded | JobState::Failed | JobState::Cancelled
-                );
-                if !terminal && receiver.changed().await.is_err() {
-                    return None;
-                }
-                let progress = if terminal {
-                    progress
-                } else {
-                    receiver.borrow_and_update().clone()
-                };
-                let terminal = matches!(
-                    progress.state(),
-                    JobState::Succeeded | JobState::Failed | JobState::Cancelled
-                );
-                Some((Ok(progress), (receiver, terminal)))
-            });
+            // The current state first, then every change, ending after a final state.
+            futures::stream::unfold(
+                (receiver, true, false),
+                |(mut receiver, first, finished)| async move {
+                    if finished || (!first && receiver.changed().await.is_err()) {
+                        return None;
+                    }
+                    let progress = receiver.borrow_and_update().clone();
+                    let terminal = matches!(
+                        progress.state(),
+                        JobState::Succeeded | JobState::Failed | JobState::Cancelled
+                    );
+                    Some((Ok(progress), (receiver, false, terminal)))
+                },
+            );
         Ok(Response::new(Box::pin(stream)))
     }
 

@@ -116,3 +116,70 @@ async fn bad_guests_fail_their_task_and_the_worker_keeps_serving() {
     }
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_job_stops_its_running_tasks_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let noop = write_job(dir.path(), "noop", &guest("noop"), "");
+    // Two looping tasks that would hold both slots for two minutes.
+    let spin = write_job(
+        dir.path(),
+        "spin",
+        &guest("test-guest-spin"),
+        "[limits]\ntask_timeout_secs = 120",
+    );
+    let cluster = LocalCluster::start(LocalClusterConfig {
+        workers: 1,
+        slots_per_worker: 2,
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        cache_dir: None,
+        http: None,
+    })
+    .await
+    .unwrap();
+    cluster
+        .wait_for_workers(1, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut client = wrk_cli::client::connect(&cluster.scheduler_url, None)
+        .await
+        .unwrap();
+    let spec = job::plan(&spin, &Overrides::default()).unwrap();
+    let job_id = client
+        .submit_job(wrk_proto::SubmitJobRequest { job: Some(spec) })
+        .await
+        .unwrap()
+        .into_inner()
+        .job_id;
+    let mut progress = client
+        .watch_job(wrk_proto::JobRef {
+            job_id: job_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let both_running = async {
+        while let Some(p) = progress.message().await.unwrap() {
+            if p.stages.first().is_some_and(|s| s.running == 2) {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), both_running)
+        .await
+        .expect("progress reports both looping tasks running");
+    client
+        .cancel_job(wrk_proto::JobRef { job_id })
+        .await
+        .unwrap();
+    // An open client connection would hold the cluster's graceful shutdown.
+    drop((progress, client));
+    // With the looping tasks stopped, a new job gets the slots at once.
+    let noop_run = tokio::time::timeout(Duration::from_secs(20), run(&cluster, &noop)).await;
+    assert_eq!(
+        noop_run,
+        Ok(Ok(0)),
+        "the cancelled tasks kept the worker's slots"
+    );
+    cluster.shutdown().await;
+}

@@ -53,7 +53,13 @@ fn compiled_components_are_cached_on_disk_and_damaged_entries_are_rebuilt() {
         "reused, not rewritten"
     );
     let run = second
-        .run(&compiled, Arc::new(TaskInfo::default()), vec![], limits())
+        .run(
+            &compiled,
+            Arc::new(TaskInfo::default()),
+            vec![],
+            limits(),
+            Default::default(),
+        )
         .unwrap();
     assert!(run.outputs.is_empty());
 
@@ -62,7 +68,13 @@ fn compiled_components_are_cached_on_disk_and_damaged_entries_are_rebuilt() {
     let third = engine(cache.path());
     let compiled = third.prepare("noop.wasm", &hash, &wasm).unwrap();
     third
-        .run(&compiled, Arc::new(TaskInfo::default()), vec![], limits())
+        .run(
+            &compiled,
+            Arc::new(TaskInfo::default()),
+            vec![],
+            limits(),
+            Default::default(),
+        )
         .unwrap();
     assert!(
         std::fs::metadata(&cached).unwrap().len() > 1000,
@@ -115,4 +127,43 @@ fn components_built_against_an_incompatible_wit_version_are_refused_by_name() {
         .prepare("patched.wasm", &module_hash(&patch_release), &patch_release)
         .map(|_| ())
         .unwrap_or_else(|e| panic!("wrk:task@0.1.9 should be accepted: {e}"));
+}
+
+#[test]
+fn a_cancelled_task_stops_within_moments() {
+    let wasm = std::fs::read(guest("test-guest-spin")).unwrap();
+    let engine = TaskEngine::new(EngineConfig::default()).unwrap();
+    let compiled = engine
+        .prepare("spin.wasm", &module_hash(&wasm), &wasm)
+        .unwrap();
+    let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = cancel.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let started = std::time::Instant::now();
+    let long = TaskLimits {
+        memory_bytes: 64 << 20,
+        timeout: Duration::from_secs(60),
+    };
+    let err = engine
+        .run(
+            &compiled,
+            Arc::new(TaskInfo::default()),
+            vec![],
+            long,
+            cancel,
+        )
+        .expect_err("a looping guest does not finish");
+    assert!(
+        err.to_string()
+            .contains("module `spin.wasm` was stopped: its task was cancelled"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "stopped after {:?}",
+        started.elapsed()
+    );
 }
