@@ -241,31 +241,13 @@ pub fn read_source(
     row_groups: Option<&[u32]>,
 ) -> Result<RecordBatch, IoError> {
     let files = list_files(uri)?;
-    let mut batches = Vec::new();
-    let mut first_group = 0u32;
-    let mut remaining: Option<Vec<u32>> = row_groups.map(<[u32]>::to_vec);
-    let total_groups: usize;
-    {
-        let mut count = 0usize;
-        for path in &files {
-            let groups = metadata(path)?.num_row_groups();
-            let wanted: Option<Vec<u32>> = remaining.as_ref().map(|all| {
-                all.iter()
-                    .filter(|&&g| g >= first_group && g < first_group + groups as u32)
-                    .map(|&g| g - first_group)
-                    .collect()
-            });
-            match &wanted {
-                Some(w) if w.is_empty() => {}
-                _ => batches.push(read_file(path, columns, wanted.as_deref())?),
-            }
-            first_group += groups as u32;
-            count += groups;
-        }
-        total_groups = count;
-    }
-    if let Some(all) = remaining.take()
-        && let Some(&bad) = all.iter().find(|&&g| g as usize >= total_groups)
+    let counts = files
+        .iter()
+        .map(|path| Ok(metadata(path)?.num_row_groups()))
+        .collect::<Result<Vec<usize>, IoError>>()?;
+    let total_groups: usize = counts.iter().sum();
+    // Checked from the footers, before any data is read.
+    if let Some(&bad) = row_groups.and_then(|all| all.iter().find(|&&g| g as usize >= total_groups))
     {
         return Err(IoError::NoSuchRowGroup {
             path: local_path(uri)?,
@@ -273,11 +255,23 @@ pub fn read_source(
             available: total_groups,
         });
     }
+    let mut batches = Vec::new();
+    let mut first_group = 0u32;
+    for (path, &groups) in files.iter().zip(&counts) {
+        let wanted: Option<Vec<u32>> = row_groups.map(|all| {
+            all.iter()
+                .filter(|&&g| g >= first_group && g < first_group + groups as u32)
+                .map(|&g| g - first_group)
+                .collect()
+        });
+        if wanted.as_ref().is_none_or(|w| !w.is_empty()) {
+            batches.push(read_file(path, columns, wanted.as_deref())?);
+        }
+        first_group += groups as u32;
+    }
     if batches.is_empty() {
         // Every requested row group list was empty: an empty table with the source's schema.
-        let path = &files[0];
-        let batch = read_file(path, columns, Some(&[]))?;
-        return Ok(batch);
+        return read_file(&files[0], columns, Some(&[]));
     }
     concat_file_batches(batches)
 }

@@ -319,59 +319,77 @@ fn aggregate_column(
             if !data_type.is_numeric() {
                 return Err(format!("needs a numeric column, found {data_type}"));
             }
-            let fold = |acc: Option<f64>, v: f64| -> f64 { fold_f64(function, acc, v) };
-            if data_type.is_floating() {
-                let values =
-                    compute::cast(values, &DataType::Float64).map_err(|e| e.to_string())?;
-                let out = reduce::<Float64Type>(values.as_primitive(), group_of_row, groups, fold);
-                finish(function, Arc::new(out), data_type)
-            } else if data_type.is_unsigned_integer() {
-                let values = compute::cast(values, &DataType::UInt64).map_err(|e| e.to_string())?;
-                let out =
-                    reduce::<UInt64Type>(values.as_primitive(), group_of_row, groups, |acc, v| {
-                        match (function, acc) {
-                            (_, None) => v,
-                            (AggregateFn::Sum, Some(a)) => a.wrapping_add(v),
-                            (AggregateFn::Min, Some(a)) => a.min(v),
-                            (_, Some(a)) => a.max(v),
-                        }
-                    });
-                finish(function, Arc::new(out), data_type)
-            } else {
-                let values = compute::cast(values, &DataType::Int64).map_err(|e| e.to_string())?;
-                let out = reduce::<Int64Type>(
+            let cast = |to: &DataType| compute::cast(values, to).map_err(|e| e.to_string());
+            let out: ArrayRef = if data_type.is_floating() {
+                let values = cast(&DataType::Float64)?;
+                let ops = Fold {
+                    add: |a: f64, b| a + b,
+                    min: f64::min,
+                    max: f64::max,
+                };
+                Arc::new(reduce::<Float64Type>(
                     values.as_primitive(),
                     group_of_row,
                     groups,
-                    |acc, v| match (function, acc) {
-                        (_, None) => v,
-                        (AggregateFn::Sum, Some(a)) => a.wrapping_add(v),
-                        (AggregateFn::Min, Some(a)) => a.min(v),
-                        (_, Some(a)) => a.max(v),
-                    },
-                );
-                finish(function, Arc::new(out), data_type)
-            }
+                    function,
+                    ops,
+                ))
+            } else if data_type.is_unsigned_integer() {
+                let values = cast(&DataType::UInt64)?;
+                let ops = Fold {
+                    add: u64::wrapping_add,
+                    min: u64::min,
+                    max: u64::max,
+                };
+                Arc::new(reduce::<UInt64Type>(
+                    values.as_primitive(),
+                    group_of_row,
+                    groups,
+                    function,
+                    ops,
+                ))
+            } else {
+                let values = cast(&DataType::Int64)?;
+                let ops = Fold {
+                    add: i64::wrapping_add,
+                    min: i64::min,
+                    max: i64::max,
+                };
+                Arc::new(reduce::<Int64Type>(
+                    values.as_primitive(),
+                    group_of_row,
+                    groups,
+                    function,
+                    ops,
+                ))
+            };
+            finish(function, out, data_type)
         }
     }
 }
 
-fn fold_f64(function: AggregateFn, acc: Option<f64>, v: f64) -> f64 {
-    match (function, acc) {
-        (_, None) => v,
-        (AggregateFn::Sum, Some(a)) => a + v,
-        (AggregateFn::Min, Some(a)) => a.min(v),
-        (_, Some(a)) => a.max(v),
-    }
+/// How one value type sums and compares in a group-by.
+struct Fold<N> {
+    add: fn(N, N) -> N,
+    min: fn(N, N) -> N,
+    max: fn(N, N) -> N,
 }
 
-/// Folds the valid values of each group; groups with no valid value are null.
+/// Sums, minimum or maximum of the valid values of each group; groups with no valid value are
+/// null.
 fn reduce<T: ArrowPrimitiveType>(
     values: &PrimitiveArray<T>,
     group_of_row: &[u32],
     groups: usize,
-    fold: impl Fn(Option<T::Native>, T::Native) -> T::Native,
+    function: AggregateFn,
+    ops: Fold<T::Native>,
 ) -> PrimitiveArray<T> {
+    let fold = |acc: Option<T::Native>, v: T::Native| match (function, acc) {
+        (_, None) => v,
+        (AggregateFn::Sum, Some(a)) => (ops.add)(a, v),
+        (AggregateFn::Min, Some(a)) => (ops.min)(a, v),
+        (_, Some(a)) => (ops.max)(a, v),
+    };
     let mut acc: Vec<Option<T::Native>> = vec![None; groups];
     for (row, &g) in group_of_row.iter().enumerate() {
         if values.is_valid(row) {
