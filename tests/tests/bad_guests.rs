@@ -29,10 +29,8 @@ async fn run(cluster: &LocalCluster, job_file: &Path) -> Result<usize, String> {
         .map_err(|e| format!("{e:#}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_guests_fail_their_task_and_the_worker_keeps_serving() {
-    let dir = tempfile::tempdir().unwrap();
-    let noop = write_job(dir.path(), "noop", &guest("noop"), "");
+/// An embedded cluster of one worker with two slots, ready.
+async fn one_worker_cluster() -> LocalCluster {
     let cluster = LocalCluster::start(LocalClusterConfig {
         workers: 1,
         slots_per_worker: 2,
@@ -46,6 +44,14 @@ async fn bad_guests_fail_their_task_and_the_worker_keeps_serving() {
         .wait_for_workers(1, Duration::from_secs(30))
         .await
         .unwrap();
+    cluster
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_guests_fail_their_task_and_the_worker_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let noop = write_job(dir.path(), "noop", &guest("noop"), "");
+    let cluster = one_worker_cluster().await;
     assert_eq!(
         run(&cluster, &noop).await,
         Ok(0),
@@ -128,19 +134,7 @@ async fn cancelling_a_job_stops_its_running_tasks_at_once() {
         &guest("test-guest-spin"),
         "[limits]\ntask_timeout_secs = 120",
     );
-    let cluster = LocalCluster::start(LocalClusterConfig {
-        workers: 1,
-        slots_per_worker: 2,
-        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        cache_dir: None,
-        http: None,
-    })
-    .await
-    .unwrap();
-    cluster
-        .wait_for_workers(1, Duration::from_secs(30))
-        .await
-        .unwrap();
+    let cluster = one_worker_cluster().await;
     let mut client = wrk_cli::client::connect(&cluster.scheduler_url, None)
         .await
         .unwrap();

@@ -11,6 +11,27 @@ fn taxi_job() -> std::path::PathBuf {
     workspace_root().join("guest-examples/taxi-haversine/job.toml")
 }
 
+/// `wrk submit` of the taxi job with `args`, over `data`, its result written to `result`.
+fn submit_taxi(
+    args: &[&str],
+    data: &std::path::Path,
+    result: &std::path::Path,
+) -> std::process::Output {
+    Command::new(wrk())
+        .arg("submit")
+        .arg(taxi_job())
+        .args(args)
+        .arg("--quiet")
+        .arg("--output")
+        .arg(result)
+        .arg("--source")
+        .arg(format!("trips={}", data.display()))
+        .arg("--module")
+        .arg(guest("taxi-haversine"))
+        .output()
+        .expect("run wrk submit")
+}
+
 #[test]
 fn taxi_job_on_an_embedded_cluster_matches_the_reference() {
     let _ = guest("taxi-haversine");
@@ -18,17 +39,7 @@ fn taxi_job_on_an_embedded_cluster_matches_the_reference() {
     let data = taxi_dataset(120_000, 3, 10_000);
     let out = tempfile::tempdir().unwrap();
     let result = out.path().join("summary.parquet");
-    let run = Command::new(wrk())
-        .arg("submit")
-        .arg(taxi_job())
-        .args(["--workers", "2", "--quiet", "--output"])
-        .arg(&result)
-        .arg("--source")
-        .arg(format!("trips={}", data.path().display()))
-        .arg("--module")
-        .arg(guest("taxi-haversine"))
-        .output()
-        .expect("run wrk submit");
+    let run = submit_taxi(&["--workers", "2"], data.path(), &result);
     assert!(
         run.status.success(),
         "wrk submit failed: {}",
@@ -65,17 +76,7 @@ fn taxi_job_across_scheduler_and_worker_processes_matches_the_reference() {
     wait_for_workers(&url, 2, None);
     let out = tempfile::tempdir().unwrap();
     let result = out.path().join("summary.parquet");
-    let run = Command::new(wrk())
-        .arg("submit")
-        .arg(taxi_job())
-        .args(["--scheduler", &url, "--quiet", "--output"])
-        .arg(&result)
-        .arg("--source")
-        .arg(format!("trips={}", data.path().display()))
-        .arg("--module")
-        .arg(guest("taxi-haversine"))
-        .output()
-        .expect("run wrk submit");
+    let run = submit_taxi(&["--scheduler", &url], data.path(), &result);
     assert!(
         run.status.success(),
         "wrk submit failed: {}",
