@@ -57,14 +57,17 @@ mod aggregate;
 mod column;
 mod error;
 mod expr;
+mod order;
 mod table;
 mod task;
 mod types;
 
 pub use aggregate::{Agg, AggregateOp, count, count_distinct, max, mean, min, sum};
+pub use bindings::wrk::task::dataframe::JoinType;
 pub use column::{Column, ColumnValues, Values};
 pub use error::{Error, ErrorCode, Result};
 pub use expr::{Expr, Then, When, col, if_else, lit, when};
+pub use order::{SortKey, asc, desc};
 pub use table::{GroupBy, Table};
 pub use task::Task;
 #[doc(hidden)]

@@ -1,10 +1,11 @@
 //! Tables held by the host, and the operators that run on them natively.
 
 use crate::aggregate::Agg;
-use crate::bindings::wrk::task::dataframe::{Expr as RawExpr, Table as RawTable};
+use crate::bindings::wrk::task::dataframe::{Expr as RawExpr, JoinType, Table as RawTable};
 use crate::column::Column;
 use crate::error::Result;
 use crate::expr::Expr;
+use crate::order::SortKey;
 use crate::types::Field;
 
 /// A handle to a table held by the host. Operators return new tables; none copies data into
@@ -116,8 +117,82 @@ impl Table {
 
     /// The first `n` rows (all of them if there are fewer).
     pub fn head(&self, n: u64) -> Table {
-        self.slice(0, n.min(self.num_rows()))
+        Table(self.0.head(n))
     }
+
+    /// Hash join with `right` on columns that have the same names in both tables. The result
+    /// has this table's columns, then `right`'s except the keys (suffixed `_right` when a name
+    /// is taken). Null keys never match.
+    pub fn join<S: AsRef<str>>(
+        &self,
+        right: &Table,
+        on: impl IntoIterator<Item = S>,
+        how: JoinType,
+    ) -> Result<Table> {
+        let on = strings(on);
+        Ok(Table(self.0.join(&right.0, &on, &on, how)?))
+    }
+
+    /// Hash join with `right` on `left_on[i] = right_on[i]`; see [`Table::join`].
+    pub fn join_on<L: AsRef<str>, R: AsRef<str>>(
+        &self,
+        right: &Table,
+        left_on: impl IntoIterator<Item = L>,
+        right_on: impl IntoIterator<Item = R>,
+        how: JoinType,
+    ) -> Result<Table> {
+        Ok(Table(self.0.join(
+            &right.0,
+            &strings(left_on),
+            &strings(right_on),
+            how,
+        )?))
+    }
+
+    /// The rows ordered by `keys` (`asc("x")`, `desc("y").nulls_first()`, or plain column names
+    /// for ascending); a stable sort.
+    pub fn sort<K: Into<SortKey>>(&self, keys: impl IntoIterator<Item = K>) -> Result<Table> {
+        Ok(Table(self.0.sort(&sort_keys(keys))?))
+    }
+
+    /// The first `k` rows in the order of `keys`, found without sorting the whole table.
+    pub fn top_k<K: Into<SortKey>>(
+        &self,
+        keys: impl IntoIterator<Item = K>,
+        k: u64,
+    ) -> Result<Table> {
+        Ok(Table(self.0.top_k(&sort_keys(keys), k)?))
+    }
+
+    /// The distinct rows (the first of each), in order of first occurrence.
+    pub fn distinct(&self) -> Result<Table> {
+        Ok(Table(self.0.distinct(None)?))
+    }
+
+    /// One row per distinct combination of `columns` (the first row of each).
+    pub fn distinct_on<S: AsRef<str>>(
+        &self,
+        columns: impl IntoIterator<Item = S>,
+    ) -> Result<Table> {
+        Ok(Table(self.0.distinct(Some(&strings(columns)))?))
+    }
+
+    /// Splits the rows into `partitions` tables by a stable hash of `keys`: equal keys go to the
+    /// same partition on every worker (what a shuffle sends to each reducer).
+    pub fn hash_partition<S: AsRef<str>>(
+        &self,
+        keys: impl IntoIterator<Item = S>,
+        partitions: u32,
+    ) -> Result<Vec<Table>> {
+        let parts = self.0.hash_partition(&strings(keys), partitions)?;
+        Ok(parts.into_iter().map(Table).collect())
+    }
+}
+
+fn sort_keys<K: Into<SortKey>>(
+    keys: impl IntoIterator<Item = K>,
+) -> Vec<crate::bindings::wrk::task::dataframe::SortKey> {
+    keys.into_iter().map(|k| k.into().to_raw()).collect()
 }
 
 /// A table grouped by key columns, waiting for its aggregates; see [`Table::group_by`].

@@ -3,4 +3,8 @@
 //! Used when a worker has no GPU; it is also the reference the CUDA backend is tested against.
 
 pub mod eval;
+pub mod join;
+mod keys;
 pub mod ops;
+pub mod partition;
+pub mod sort;

@@ -1,7 +1,6 @@
 //! Table operators of the CPU backend: select, filter, with-columns, concat, slice and hash
 //! group-by, each over one Arrow `RecordBatch`.
 
-use std::collections::HashMap;
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -17,7 +16,7 @@ use arrow::row::{RowConverter, SortField};
 
 use crate::expr::{Expr, ExprError, column_list};
 
-use super::eval;
+use super::{eval, keys};
 
 /// Why a table operator cannot run.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +45,11 @@ fn arrow_err(operator: &'static str) -> impl FnOnce(arrow::error::ArrowError) ->
     move |source| OpError::Arrow { operator, source }
 }
 
-fn column_index(batch: &RecordBatch, operator: &'static str, name: &str) -> Result<usize, OpError> {
+pub(crate) fn column_index(
+    batch: &RecordBatch,
+    operator: &'static str,
+    name: &str,
+) -> Result<usize, OpError> {
     batch
         .schema()
         .index_of(name)
@@ -167,6 +170,24 @@ pub fn slice(batch: &RecordBatch, offset: u64, length: u64) -> RecordBatch {
     batch.slice(offset, length)
 }
 
+/// One row per distinct combination of `columns` (every column when `None`): the first row of
+/// each, in order of first occurrence.
+pub fn distinct(batch: &RecordBatch, columns: Option<&[String]>) -> Result<RecordBatch, OpError> {
+    const OP: &str = "distinct";
+    let keys: Vec<ArrayRef> = match columns {
+        Some(names) if !names.is_empty() => names
+            .iter()
+            .map(|n| column_index(batch, OP, n).map(|i| batch.column(i).clone()))
+            .collect::<Result<_, _>>()?,
+        _ => batch.columns().to_vec(),
+    };
+    if keys.is_empty() {
+        return Ok(batch.clone());
+    }
+    let (_, first_rows) = keys::group_ids(&keys).map_err(arrow_err(OP))?;
+    compute::take_record_batch(batch, &UInt32Array::from(first_rows)).map_err(arrow_err(OP))
+}
+
 /// An aggregate function of a group-by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AggregateFn {
@@ -207,7 +228,7 @@ pub fn group_by(
         .iter()
         .map(|&i| batch.column(i).clone())
         .collect();
-    let (group_of_row, first_rows) = assign_groups(&key_arrays).map_err(arrow_err(OP))?;
+    let (group_of_row, first_rows) = keys::group_ids(&key_arrays).map_err(arrow_err(OP))?;
     let groups = first_rows.len();
 
     let schema = batch.schema();
@@ -241,28 +262,6 @@ pub fn group_by(
         columns.push(result);
     }
     RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).map_err(arrow_err(OP))
-}
-
-/// Maps each row to a dense group id; returns the ids and the first row of every group.
-fn assign_groups(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), arrow::error::ArrowError> {
-    let fields = keys
-        .iter()
-        .map(|a| SortField::new(a.data_type().clone()))
-        .collect();
-    let converter = RowConverter::new(fields)?;
-    let rows = converter.convert_columns(keys)?;
-    let mut ids: HashMap<&[u8], u32> = HashMap::new();
-    let mut group_of_row = Vec::with_capacity(rows.num_rows());
-    let mut first_rows = Vec::new();
-    for (i, row) in rows.iter().enumerate() {
-        let next = first_rows.len() as u32;
-        let id = *ids.entry(row.data()).or_insert_with(|| {
-            first_rows.push(i as u32);
-            next
-        });
-        group_of_row.push(id);
-    }
-    Ok((group_of_row, first_rows))
 }
 
 fn aggregate_column(
@@ -501,6 +500,16 @@ mod tests {
         assert!(err.contains("table 1 has columns (k: Utf8)"), "{err}");
         let twice = concat(&[&a, &a]).unwrap();
         assert_eq!(twice.num_rows(), 10);
+    }
+
+    #[test]
+    fn distinct_keeps_the_first_row_of_each_combination() {
+        let out = distinct(&batch(), Some(&["k".into()])).unwrap();
+        let n = out.column(1).as_primitive::<arrow::datatypes::Int32Type>();
+        assert_eq!(n.iter().collect::<Vec<_>>(), [Some(1), Some(2), Some(4)]);
+        assert_eq!(distinct(&batch(), None).unwrap().num_rows(), 5);
+        let twice = concat(&[&batch(), &batch()]).unwrap();
+        assert_eq!(distinct(&twice, None).unwrap().num_rows(), 5);
     }
 
     #[test]

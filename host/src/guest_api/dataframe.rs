@@ -15,11 +15,11 @@ use wasmtime::component::Resource;
 
 use super::bindings::wrk::task::dataframe::{Host, HostColumn, HostExpr, HostTable};
 use super::wit::{
-    Aggregate, AggregateOp, BinaryOp, ColumnValues, DataType, Error, ErrorCode, Field, Scalar,
-    UnaryOp, Values,
+    Aggregate, AggregateOp, BinaryOp, ColumnValues, DataType, Error, ErrorCode, Field, JoinType,
+    Scalar, SortKey, UnaryOp, Values,
 };
 use super::{ExprHandle, TaskState, error};
-use crate::cpu::{eval, ops};
+use crate::cpu::{eval, join, ops, partition, sort};
 use crate::expr::{Expr, ExprError, Literal};
 use crate::table::{Column, Table, decode_ipc, encode_ipc};
 
@@ -369,6 +369,16 @@ fn aggregate_fn(op: AggregateOp) -> ops::AggregateFn {
     }
 }
 
+fn sort_keys(keys: Vec<SortKey>) -> Vec<sort::SortKey> {
+    keys.into_iter()
+        .map(|k| sort::SortKey {
+            column: k.column,
+            descending: k.descending,
+            nulls_first: k.nulls_first,
+        })
+        .collect()
+}
+
 impl HostTable for TaskState {
     fn from_columns(
         &mut self,
@@ -549,6 +559,76 @@ impl HostTable for TaskState {
         Ok(self
             .table
             .push(Table::new(ops::slice(table.batch(), offset, length)))?)
+    }
+
+    fn head(&mut self, self_: Resource<Table>, n: u64) -> wasmtime::Result<Resource<Table>> {
+        self.slice(self_, 0, n)
+    }
+
+    fn join(
+        &mut self,
+        self_: Resource<Table>,
+        right: Resource<Table>,
+        left_on: Vec<String>,
+        right_on: Vec<String>,
+        how: JoinType,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+        let (left, right) = (self.host_table(&self_)?, self.host_table(&right)?);
+        let how = match how {
+            JoinType::Inner => join::JoinType::Inner,
+            JoinType::Left => join::JoinType::Left,
+            JoinType::Semi => join::JoinType::Semi,
+            JoinType::Anti => join::JoinType::Anti,
+        };
+        let result = join::join(left.batch(), right.batch(), &left_on, &right_on, how);
+        self.table_result(result.map_err(op_error))
+    }
+
+    fn sort(
+        &mut self,
+        self_: Resource<Table>,
+        keys: Vec<SortKey>,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+        let table = self.host_table(&self_)?;
+        let keys = sort_keys(keys);
+        self.table_result(sort::sort(table.batch(), &keys).map_err(op_error))
+    }
+
+    fn top_k(
+        &mut self,
+        self_: Resource<Table>,
+        keys: Vec<SortKey>,
+        k: u64,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+        let table = self.host_table(&self_)?;
+        let keys = sort_keys(keys);
+        self.table_result(sort::top_k(table.batch(), &keys, k).map_err(op_error))
+    }
+
+    fn distinct(
+        &mut self,
+        self_: Resource<Table>,
+        columns: Option<Vec<String>>,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+        let table = self.host_table(&self_)?;
+        let result = ops::distinct(table.batch(), columns.as_deref());
+        self.table_result(result.map_err(op_error))
+    }
+
+    fn hash_partition(
+        &mut self,
+        self_: Resource<Table>,
+        keys: Vec<String>,
+        partitions: u32,
+    ) -> wasmtime::Result<Result<Vec<Resource<Table>>, Error>> {
+        let table = self.host_table(&self_)?;
+        match partition::hash_partition(table.batch(), &keys, partitions) {
+            Ok(parts) => Ok(Ok(parts
+                .into_iter()
+                .map(|part| self.table.push(Table::new(part)))
+                .collect::<Result<_, _>>()?)),
+            Err(e) => Ok(Err(op_error(e))),
+        }
     }
 
     fn to_ipc(&mut self, self_: Resource<Table>) -> wasmtime::Result<Result<Vec<u8>, Error>> {

@@ -35,7 +35,7 @@ pub mod bindings {
 /// The WIT types the rest of the host works with.
 pub mod wit {
     pub use super::bindings::wrk::task::dataframe::{
-        Aggregate, AggregateOp, BinaryOp, ColumnValues, UnaryOp, Values,
+        Aggregate, AggregateOp, BinaryOp, ColumnValues, JoinType, SortKey, UnaryOp, Values,
     };
     pub use super::bindings::wrk::task::types::{DataType, Error, ErrorCode, Field, Scalar};
 }

@@ -1,0 +1,317 @@
+//! Key columns, as the hashing operators (group-by, distinct, join, hash-partition) see them.
+//!
+//! One integer-like key column takes a fast path (its values hashed as `i64`); any other key set
+//! is encoded with Arrow's row format, whose bytes compare equal exactly when the keys do. The
+//! stable partition hash is defined here too: it decides which reducer a key goes to, so it must
+//! give the same answer on every worker, backend and version.
+
+use arrow::array::{Array, ArrayRef, AsArray};
+use arrow::compute;
+use arrow::datatypes::{DataType, Int64Type};
+use arrow::error::ArrowError;
+use arrow::row::{RowConverter, Rows, SortField};
+use hashbrown::HashMap;
+use hashbrown::hash_map::Entry;
+
+/// Key columns encoded for hashing and equality.
+pub(crate) enum EncodedKeys {
+    /// One integer column, widened to `i64`.
+    Int(arrow::array::Int64Array),
+    /// Any other key set, in Arrow's row format (plus which rows have a null key).
+    Rows { rows: Rows, has_null: Vec<bool> },
+}
+
+impl EncodedKeys {
+    /// Encodes one table's key columns.
+    pub(crate) fn encode(keys: &[ArrayRef]) -> Result<Self, ArrowError> {
+        let types: Vec<DataType> = keys.iter().map(|k| k.data_type().clone()).collect();
+        Self::encode_as(keys, &types)
+    }
+
+    /// Encodes key columns converted to `types` (so that two tables' keys compare).
+    fn encode_as(keys: &[ArrayRef], types: &[DataType]) -> Result<Self, ArrowError> {
+        if let ([key], [data_type]) = (keys, types)
+            && int_like(data_type)
+        {
+            let widened = compute::cast(key, &DataType::Int64)?;
+            return Ok(EncodedKeys::Int(
+                widened.as_primitive::<Int64Type>().clone(),
+            ));
+        }
+        let cast = keys
+            .iter()
+            .zip(types)
+            .map(|(k, t)| compute::cast(k, t))
+            .collect::<Result<Vec<_>, _>>()?;
+        let converter = RowConverter::new(types.iter().cloned().map(SortField::new).collect())?;
+        let rows = converter.convert_columns(&cast)?;
+        Ok(EncodedKeys::Rows {
+            rows,
+            has_null: any_null(&cast),
+        })
+    }
+
+    /// Encodes the keys of two tables so that equal keys compare equal across them: each pair of
+    /// columns is brought to a common type first.
+    pub(crate) fn encode_pair(
+        left: &[ArrayRef],
+        right: &[ArrayRef],
+    ) -> Result<(Self, Self), String> {
+        let mut types = Vec::with_capacity(left.len());
+        for (l, r) in left.iter().zip(right) {
+            let common = key_type(l.data_type(), r.data_type()).ok_or_else(|| {
+                format!(
+                    "key types {} and {} cannot be compared",
+                    l.data_type(),
+                    r.data_type()
+                )
+            })?;
+            types.push(common);
+        }
+        // Both sides must take the same path: the row encoding of one single integer key and
+        // its i64 form are not comparable.
+        let left = Self::encode_as(left, &types).map_err(|e| e.to_string())?;
+        let right = Self::encode_as(right, &types).map_err(|e| e.to_string())?;
+        Ok((left, right))
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            EncodedKeys::Int(values) => values.len(),
+            EncodedKeys::Rows { rows, .. } => rows.num_rows(),
+        }
+    }
+
+    /// Whether row `i` has a null in any key column (such rows never join).
+    pub(crate) fn is_null(&self, i: usize) -> bool {
+        match self {
+            EncodedKeys::Int(values) => values.is_null(i),
+            EncodedKeys::Rows { has_null, .. } => has_null[i],
+        }
+    }
+}
+
+/// Types whose values fit an `i64` exactly (so the fast path loses nothing).
+fn int_like(data_type: &DataType) -> bool {
+    use DataType::*;
+    matches!(
+        data_type,
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32
+    )
+}
+
+/// The type two key columns are compared as.
+fn key_type(left: &DataType, right: &DataType) -> Option<DataType> {
+    if left == right {
+        return Some(left.clone());
+    }
+    if int_like(left) && int_like(right) {
+        return Some(DataType::Int64);
+    }
+    crate::expr::common_type(left, right)
+}
+
+/// Per row, whether any of `columns` is null there.
+fn any_null(columns: &[ArrayRef]) -> Vec<bool> {
+    let rows = columns.first().map_or(0, |c| c.len());
+    let mut has_null = vec![false; rows];
+    for column in columns.iter().filter(|c| c.null_count() > 0) {
+        for (row, slot) in has_null.iter_mut().enumerate() {
+            *slot |= column.is_null(row);
+        }
+    }
+    has_null
+}
+
+/// Maps each row to a dense group id (nulls form their own group); returns the ids and the first
+/// row of every group, groups numbered in order of first occurrence.
+pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), ArrowError> {
+    let encoded = EncodedKeys::encode(keys)?;
+    let rows = encoded.len();
+    let mut group_of_row = Vec::with_capacity(rows);
+    let mut first_rows: Vec<u32> = Vec::new();
+    let new_group = |row: usize, first_rows: &mut Vec<u32>| {
+        first_rows.push(row as u32);
+        (first_rows.len() - 1) as u32
+    };
+    match &encoded {
+        EncodedKeys::Int(values) => {
+            let mut ids: HashMap<i64, u32> = HashMap::new();
+            let mut null_group = None;
+            for row in 0..rows {
+                let id = if values.is_null(row) {
+                    *null_group.get_or_insert_with(|| new_group(row, &mut first_rows))
+                } else {
+                    match ids.entry(values.value(row)) {
+                        Entry::Occupied(e) => *e.get(),
+                        Entry::Vacant(e) => *e.insert(new_group(row, &mut first_rows)),
+                    }
+                };
+                group_of_row.push(id);
+            }
+        }
+        EncodedKeys::Rows { rows: encoded, .. } => {
+            let mut ids: HashMap<&[u8], u32> = HashMap::new();
+            for (row, key) in encoded.iter().enumerate() {
+                let id = match ids.entry(key.data()) {
+                    Entry::Occupied(e) => *e.get(),
+                    Entry::Vacant(e) => *e.insert(new_group(row, &mut first_rows)),
+                };
+                group_of_row.push(id);
+            }
+        }
+    }
+    Ok((group_of_row, first_rows))
+}
+
+/// The partition hash of a null key value.
+const NULL_HASH: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// MurmurHash3's 64-bit finaliser: a fixed, well-mixed permutation of `u64`.
+fn mix(mut h: u64) -> u64 {
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
+
+/// The stable hash of every row's keys, the contract of `hash-partition`:
+///
+/// - integers (any width, signed or not), booleans (0/1), dates (days) and timestamps (their
+///   integer value) hash as `mix(value as u64)`, so equal keys of different integer types agree;
+/// - floats hash their `f64` bits (`-0.0` as `0.0`, every NaN as one NaN);
+/// - strings and binaries hash their bytes with XXH64 (seed 0), then `mix`;
+/// - a null hashes as a fixed constant;
+/// - several keys combine left to right: `h = mix(h.rotate_left(5) ^ key_hash)`, from `h = 0`.
+pub(crate) fn partition_hashes(keys: &[ArrayRef]) -> Result<Vec<u64>, ArrowError> {
+    let rows = keys.first().map_or(0, |k| k.len());
+    let mut hashes = vec![0u64; rows];
+    for key in keys {
+        let combine = |h: &mut u64, value: u64| *h = mix(h.rotate_left(5) ^ value);
+        let data_type = key.data_type();
+        if data_type.is_integer() || matches!(data_type, DataType::Boolean) {
+            let (as_int, unsigned) = if data_type.is_unsigned_integer() {
+                (compute::cast(key, &DataType::UInt64)?, true)
+            } else {
+                (compute::cast(key, &DataType::Int64)?, false)
+            };
+            for (row, h) in hashes.iter_mut().enumerate() {
+                let value = if as_int.is_null(row) {
+                    NULL_HASH
+                } else if unsigned {
+                    mix(as_int
+                        .as_primitive::<arrow::datatypes::UInt64Type>()
+                        .value(row))
+                } else {
+                    mix(as_int.as_primitive::<Int64Type>().value(row) as u64)
+                };
+                combine(h, value);
+            }
+        } else if matches!(data_type, DataType::Date32 | DataType::Timestamp(_, _)) {
+            let days_or_ticks = compute::cast(key, &DataType::Int64).or_else(|_| {
+                compute::cast(&compute::cast(key, &DataType::Int32)?, &DataType::Int64)
+            })?;
+            let values = days_or_ticks.as_primitive::<Int64Type>();
+            for (row, h) in hashes.iter_mut().enumerate() {
+                let value = if values.is_null(row) {
+                    NULL_HASH
+                } else {
+                    mix(values.value(row) as u64)
+                };
+                combine(h, value);
+            }
+        } else if data_type.is_floating() {
+            let floats = compute::cast(key, &DataType::Float64)?;
+            let values = floats.as_primitive::<arrow::datatypes::Float64Type>();
+            for (row, h) in hashes.iter_mut().enumerate() {
+                let value = if values.is_null(row) {
+                    NULL_HASH
+                } else {
+                    let v = values.value(row);
+                    let canonical = if v == 0.0 {
+                        0.0f64
+                    } else if v.is_nan() {
+                        f64::NAN
+                    } else {
+                        v
+                    };
+                    mix(canonical.to_bits())
+                };
+                combine(h, value);
+            }
+        } else if matches!(data_type, DataType::Utf8 | DataType::LargeUtf8) {
+            let strings = compute::cast(key, &DataType::Utf8)?;
+            let strings = strings.as_string::<i32>();
+            for (row, h) in hashes.iter_mut().enumerate() {
+                let value = if strings.is_null(row) {
+                    NULL_HASH
+                } else {
+                    mix(twox_hash::XxHash64::oneshot(
+                        0,
+                        strings.value(row).as_bytes(),
+                    ))
+                };
+                combine(h, value);
+            }
+        } else {
+            return Err(ArrowError::InvalidArgumentError(format!(
+                "cannot hash-partition a key of type {data_type}"
+            )));
+        }
+    }
+    Ok(hashes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int32Array, Int64Array, StringArray, UInt8Array};
+    use std::sync::Arc;
+
+    #[test]
+    fn equal_integers_of_different_types_hash_alike() {
+        let a: ArrayRef = Arc::new(Int32Array::from(vec![Some(7), None, Some(-1)]));
+        let b: ArrayRef = Arc::new(Int64Array::from(vec![Some(7), None, Some(-1)]));
+        assert_eq!(
+            partition_hashes(&[a]).unwrap(),
+            partition_hashes(&[b]).unwrap()
+        );
+        let small: ArrayRef = Arc::new(UInt8Array::from(vec![7]));
+        let wide: ArrayRef = Arc::new(Int64Array::from(vec![7]));
+        assert_eq!(
+            partition_hashes(&[small]).unwrap(),
+            partition_hashes(&[wide]).unwrap()
+        );
+    }
+
+    #[test]
+    fn the_partition_hash_is_pinned() {
+        // These values are the cross-backend contract: changing them breaks mixed clusters.
+        let ints: ArrayRef = Arc::new(Int64Array::from(vec![0, 1, 42]));
+        let words: ArrayRef = Arc::new(StringArray::from(vec!["", "wrk"]));
+        let int_hashes = partition_hashes(&[ints]).unwrap();
+        assert_eq!(int_hashes[0], mix(0u64.rotate_left(5) ^ mix(0)));
+        assert_eq!(int_hashes[2], mix(mix(42)));
+        let word_hashes = partition_hashes(&[words]).unwrap();
+        assert_eq!(
+            word_hashes[1],
+            mix(mix(twox_hash::XxHash64::oneshot(0, b"wrk")))
+        );
+        assert_ne!(int_hashes[1], int_hashes[2]);
+    }
+
+    #[test]
+    fn group_ids_put_nulls_in_their_own_group() {
+        let keys: ArrayRef = Arc::new(Int32Array::from(vec![
+            Some(3),
+            None,
+            Some(3),
+            None,
+            Some(1),
+        ]));
+        let (ids, first) = group_ids(&[keys]).unwrap();
+        assert_eq!(ids, vec![0, 1, 0, 1, 2]);
+        assert_eq!(first, vec![0, 1, 4]);
+    }
+}
