@@ -73,8 +73,18 @@ impl Value {
     }
 }
 
-/// Evaluates `expr` to a column as long as `batch`.
+/// Evaluates `expr` to a column as long as `batch`: in one fused pass where the expression is
+/// numeric or boolean ([`super::fused`]), with one Arrow kernel per node otherwise.
 pub fn evaluate(expr: &Expr, batch: &RecordBatch) -> Result<ArrayRef, ExprError> {
+    match super::fused::try_evaluate(expr, batch) {
+        Some(result) => result,
+        None => evaluate_with_kernels(expr, batch),
+    }
+}
+
+/// Evaluates `expr` with one Arrow kernel per node (the reference the fused path is tested
+/// against, and the path for strings, dates and casts the fused program does not cover).
+pub fn evaluate_with_kernels(expr: &Expr, batch: &RecordBatch) -> Result<ArrayRef, ExprError> {
     expr.data_type(&batch.schema())?;
     let value = eval(expr, batch).map_err(|e| ExprError::Evaluation {
         expr: expr.to_string(),
@@ -149,7 +159,16 @@ fn eval(expr: &Expr, batch: &RecordBatch) -> Result<Value, ArrowError> {
             let condition = eval(condition, batch)?.cast(&DataType::Boolean)?;
             let then = eval(then, batch)?.cast(&target)?;
             let otherwise = eval(otherwise, batch)?.cast(&target)?;
-            select(condition, then, otherwise)
+            let chosen = select(condition.clone(), then, otherwise)?;
+            // A null condition gives null, not the `otherwise` branch.
+            if condition.array().null_count() == 0 {
+                return Ok(chosen);
+            }
+            let rows = chosen.array().len().max(condition.array().len());
+            let scalar = chosen.is_scalar() && condition.is_scalar();
+            let unknown = boolean::is_null(condition.into_array(rows)?.as_ref())?;
+            let result = arrow::compute::nullif(chosen.into_array(rows)?.as_ref(), &unknown)?;
+            Ok(wrap(scalar, result))
         }
     }
 }

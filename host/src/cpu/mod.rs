@@ -3,6 +3,7 @@
 //! Used when a worker has no GPU; it is also the reference the CUDA backend is tested against.
 
 pub mod eval;
+mod fused;
 pub mod join;
 mod keys;
 pub mod ops;
