@@ -572,7 +572,7 @@ async fn run_one(args: RunArgs) -> Result<()> {
         let tables = inputs
             .iter()
             .map(|path| {
-                wrk_host::io::read_source(&path.to_string_lossy(), &[], None).map(Table::new)
+                wrk_host::io::read_source(&path.to_string_lossy(), &[], None, None).map(Table::new)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let compiled = engine.prepare(&name, &module_hash(&wasm), &wasm)?;

@@ -86,6 +86,41 @@ impl Expr {
         Expr::Column(name.into())
     }
 
+    /// The names of the columns the expression reads, each once, in order of first use.
+    pub fn columns(&self) -> Vec<String> {
+        fn walk(expr: &Expr, out: &mut Vec<String>) {
+            match expr {
+                Expr::Column(name) => {
+                    if !out.contains(name) {
+                        out.push(name.clone());
+                    }
+                }
+                Expr::Literal(_) => {}
+                Expr::Binary { lhs, rhs, .. } => {
+                    walk(lhs, out);
+                    walk(rhs, out);
+                }
+                Expr::Unary { arg, .. } | Expr::Cast { arg, .. } => walk(arg, out),
+                Expr::FillNull { arg, fill } => {
+                    walk(arg, out);
+                    walk(fill, out);
+                }
+                Expr::IfElse {
+                    condition,
+                    then,
+                    otherwise,
+                } => {
+                    walk(condition, out);
+                    walk(then, out);
+                    walk(otherwise, out);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(self, &mut out);
+        out
+    }
+
     /// The type of the values this expression yields on a table of `schema`. Errors name this
     /// whole expression (and, for type errors, the part at fault).
     pub fn data_type(&self, schema: &Schema) -> Result<DataType, ExprError> {

@@ -20,6 +20,8 @@ use parquet::file::properties::WriterProperties;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use wrk_proto::{FileSlice, ParquetPartition};
 
+use crate::expr::Expr;
+
 /// Default target size of one input partition (uncompressed), as in the brief.
 pub const DEFAULT_PARTITION_BYTES: u64 = 256 * 1024 * 1024;
 
@@ -234,17 +236,31 @@ pub fn read_partition(partition: &ParquetPartition) -> Result<RecordBatch, IoErr
 }
 
 /// Reads a source, optionally only some columns and row groups (numbered across the source's
-/// files in path order).
+/// files in path order), and only the rows where `predicate` holds: row groups whose statistics
+/// rule the predicate out are skipped without being read.
 pub fn read_source(
     uri: &str,
     columns: &[String],
     row_groups: Option<&[u32]>,
+    predicate: Option<&Expr>,
 ) -> Result<RecordBatch, IoError> {
+    // The predicate may read columns the caller did not ask for: read them too, drop them after.
+    let requested = columns;
+    let mut with_predicate_columns = columns.to_vec();
+    if let Some(predicate) = predicate.filter(|_| !columns.is_empty()) {
+        for column in predicate.columns() {
+            if !with_predicate_columns.contains(&column) {
+                with_predicate_columns.push(column);
+            }
+        }
+    }
+    let columns = with_predicate_columns.as_slice();
     let files = list_files(uri)?;
-    let counts = files
+    let footers = files
         .iter()
-        .map(|path| Ok(metadata(path)?.num_row_groups()))
-        .collect::<Result<Vec<usize>, IoError>>()?;
+        .map(|path| metadata(path))
+        .collect::<Result<Vec<_>, IoError>>()?;
+    let counts: Vec<usize> = footers.iter().map(|m| m.num_row_groups()).collect();
     let total_groups: usize = counts.iter().sum();
     // Checked from the footers, before any data is read.
     if let Some(&bad) = row_groups.and_then(|all| all.iter().find(|&&g| g as usize >= total_groups))
@@ -257,23 +273,65 @@ pub fn read_source(
     }
     let mut batches = Vec::new();
     let mut first_group = 0u32;
-    for (path, &groups) in files.iter().zip(&counts) {
-        let wanted: Option<Vec<u32>> = row_groups.map(|all| {
+    let (mut read_groups, mut skipped_groups) = (0usize, 0usize);
+    for ((path, &groups), footer) in files.iter().zip(&counts).zip(&footers) {
+        let mut wanted: Option<Vec<u32>> = row_groups.map(|all| {
             all.iter()
                 .filter(|&&g| g >= first_group && g < first_group + groups as u32)
                 .map(|&g| g - first_group)
                 .collect()
         });
+        if let Some(predicate) = predicate {
+            let schema = parquet::arrow::parquet_to_arrow_schema(
+                footer.file_metadata().schema_descr(),
+                footer.file_metadata().key_value_metadata(),
+            )
+            .map_err(|source| IoError::Parquet {
+                path: path.clone(),
+                source,
+            })?;
+            let candidates = wanted.unwrap_or_else(|| (0..groups as u32).collect());
+            let kept: Vec<u32> = candidates
+                .iter()
+                .copied()
+                .filter(|&g| {
+                    crate::prune::may_match(predicate, &schema, footer.row_group(g as usize))
+                })
+                .collect();
+            skipped_groups += candidates.len() - kept.len();
+            wanted = Some(kept);
+        }
+        read_groups += wanted.as_ref().map_or(groups, Vec::len);
         if wanted.as_ref().is_none_or(|w| !w.is_empty()) {
             batches.push(read_file(path, columns, wanted.as_deref())?);
         }
         first_group += groups as u32;
     }
-    if batches.is_empty() {
-        // Every requested row group list was empty: an empty table with the source's schema.
-        return read_file(&files[0], columns, Some(&[]));
+    if predicate.is_some() {
+        tracing::debug!(
+            source = uri,
+            read_groups,
+            skipped_groups,
+            "predicate pushdown"
+        );
     }
-    concat_file_batches(batches)
+    let batch = if batches.is_empty() {
+        // Every row group was excluded: an empty table with the source's schema.
+        read_file(&files[0], columns, Some(&[]))?
+    } else {
+        concat_file_batches(batches)?
+    };
+    let Some(predicate) = predicate else {
+        return Ok(batch);
+    };
+    let combine = |e: crate::cpu::ops::OpError| IoError::Combine {
+        detail: format!("filtering `{uri}`: {e}"),
+    };
+    let filtered = crate::cpu::ops::filter(&batch, predicate).map_err(combine)?;
+    if requested.is_empty() || requested.len() == columns.len() {
+        return Ok(filtered);
+    }
+    crate::cpu::ops::select(&filtered, requested).map_err(combine)
 }
 
 fn concat_file_batches(batches: Vec<RecordBatch>) -> Result<RecordBatch, IoError> {
@@ -467,14 +525,50 @@ mod tests {
         write_file(&dir.path().join("a.parquet"), &[batch(0, 200)], 100).unwrap();
         write_file(&dir.path().join("b.parquet"), &[batch(200, 200)], 100).unwrap();
         let uri = dir.path().to_string_lossy();
-        let b = read_source(&uri, &["id".into()], Some(&[1, 2])).unwrap();
+        let b = read_source(&uri, &["id".into()], Some(&[1, 2]), None).unwrap();
         let ids = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
         assert_eq!(
             (ids.value(0), ids.value(199), b.num_rows()),
             (100, 299, 200)
         );
-        let err = read_source(&uri, &[], Some(&[9])).unwrap_err().to_string();
+        let err = read_source(&uri, &[], Some(&[9]), None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("row group 9 does not exist"), "{err}");
+    }
+
+    #[test]
+    fn predicates_skip_row_groups_by_statistics_and_filter_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.parquet");
+        write_file(&path, &[batch(0, 400)], 100).unwrap();
+        let at_least = |v: i64| Expr::Binary {
+            op: crate::guest_api::wit::BinaryOp::Ge,
+            lhs: Arc::new(Expr::col("id")),
+            rhs: Arc::new(Expr::Literal(crate::expr::Literal::Int64(v))),
+        };
+        let footer = metadata(&path).unwrap();
+        let schema = parquet::arrow::parquet_to_arrow_schema(
+            footer.file_metadata().schema_descr(),
+            footer.file_metadata().key_value_metadata(),
+        )
+        .unwrap();
+        let kept: Vec<bool> = (0..4)
+            .map(|g| crate::prune::may_match(&at_least(250), &schema, footer.row_group(g)))
+            .collect();
+        assert_eq!(kept, [false, false, true, true]);
+
+        let uri = dir.path().to_string_lossy();
+        let b = read_source(&uri, &["x".into()], None, Some(&at_least(250))).unwrap();
+        assert_eq!(
+            (b.num_rows(), b.num_columns()),
+            (150, 1),
+            "projected back to `x`"
+        );
+        let x = b.column(0).as_any().downcast_ref::<Float64Array>().unwrap();
+        assert_eq!(x.value(0), 125.0, "x = id / 2 of the first row kept, id 250");
+        let none = read_source(&uri, &[], None, Some(&at_least(1000))).unwrap();
+        assert_eq!((none.num_rows(), none.num_columns()), (0, 2));
     }
 
     #[test]
@@ -482,7 +576,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let bad = dir.path().join("bad.parquet");
         std::fs::write(&bad, b"PAR1 this is not parquet").unwrap();
-        let err = read_source(&bad.to_string_lossy(), &[], None)
+        let err = read_source(&bad.to_string_lossy(), &[], None, None)
             .unwrap_err()
             .to_string();
         assert!(

@@ -20,6 +20,7 @@ pub mod guest_api;
 pub mod io;
 pub mod limits;
 pub mod metrics;
+mod prune;
 pub mod store;
 pub mod table;
 pub mod transfer;

@@ -2,6 +2,7 @@
 
 use crate::bindings::wrk::task::io as raw;
 use crate::error::Result;
+use crate::expr::Expr;
 use crate::table::Table;
 
 /// Names of the sources this task may read.
@@ -20,6 +21,7 @@ pub fn read_parquet(source: &str) -> ReadParquet {
         source: source.to_owned(),
         columns: None,
         row_groups: None,
+        predicate: None,
     }
 }
 
@@ -30,6 +32,7 @@ pub struct ReadParquet {
     source: String,
     columns: Option<Vec<String>>,
     row_groups: Option<Vec<u32>>,
+    predicate: Option<Expr>,
 }
 
 impl ReadParquet {
@@ -50,13 +53,27 @@ impl ReadParquet {
         }
     }
 
+    /// Reads only the rows where `predicate` is true; row groups whose statistics rule it out
+    /// are skipped without being read (predicate pushdown). The predicate may use columns that
+    /// [`ReadParquet::columns`] leaves out.
+    pub fn filter(self, predicate: impl Into<Expr>) -> Self {
+        Self {
+            predicate: Some(predicate.into()),
+            ..self
+        }
+    }
+
     /// Reads the data into a host table.
     pub fn read(self) -> Result<Table> {
         let options = raw::ReadOptions {
             columns: self.columns,
             row_groups: self.row_groups,
         };
-        Ok(Table::from_raw(raw::read_parquet(&self.source, &options)?))
+        let raw = match &self.predicate {
+            Some(predicate) => raw::read_parquet_where(&self.source, &options, predicate.as_raw())?,
+            None => raw::read_parquet(&self.source, &options)?,
+        };
+        Ok(Table::from_raw(raw))
     }
 }
 

@@ -4,7 +4,7 @@ use wasmtime::component::Resource;
 
 use super::bindings::wrk::task::io::{Host, ReadOptions};
 use super::wit::{Error, ErrorCode};
-use super::{TaskState, error};
+use super::{ExprHandle, TaskState, error};
 use crate::table::Table;
 
 fn granted<'a>(
@@ -65,7 +65,26 @@ impl Host for TaskState {
             Err(e) => return Ok(Err(e)),
         };
         let columns = options.columns.unwrap_or_default();
-        match crate::io::read_source(&uri, &columns, options.row_groups.as_deref()) {
+        match crate::io::read_source(&uri, &columns, options.row_groups.as_deref(), None) {
+            Ok(batch) => Ok(Ok(self.table.push(Table::new(batch))?)),
+            Err(e) => Ok(Err(error(ErrorCode::Io, format!("source `{source}`: {e}")))),
+        }
+    }
+
+    fn read_parquet_where(
+        &mut self,
+        source: String,
+        options: ReadOptions,
+        predicate: Resource<ExprHandle>,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+        let uri = match granted(&self.info.sources, "source", &source) {
+            Ok(uri) => uri.to_string(),
+            Err(e) => return Ok(Err(e)),
+        };
+        let predicate = self.table.get(&predicate)?.0.clone();
+        let columns = options.columns.unwrap_or_default();
+        let rows = options.row_groups.as_deref();
+        match crate::io::read_source(&uri, &columns, rows, Some(&predicate)) {
             Ok(batch) => Ok(Ok(self.table.push(Table::new(batch))?)),
             Err(e) => Ok(Err(error(ErrorCode::Io, format!("source `{source}`: {e}")))),
         }
