@@ -105,6 +105,12 @@ enum Command {
         row_group_rows: usize,
         #[arg(long, default_value_t = 2024)]
         seed: u64,
+        /// Distinct `driver_id`s in the trips (default: a quarter of the rows).
+        #[arg(long)]
+        drivers: Option<u64>,
+        /// Also write the `zones` and `drivers` dimension tables under this directory.
+        #[arg(long)]
+        dimensions: Option<PathBuf>,
     },
 }
 
@@ -344,16 +350,26 @@ async fn main() -> Result<()> {
             files,
             row_group_rows,
             seed,
+            drivers,
+            dimensions,
         } => {
+            let drivers = drivers.unwrap_or((rows / 4).max(1));
             let config = taxi::TaxiConfig {
                 rows,
                 files,
                 row_group_rows,
                 seed,
+                drivers,
             };
             let started = std::time::Instant::now();
-            tokio::task::spawn_blocking(move || taxi::generate(&out, &config).map(|()| out))
-                .await??;
+            tokio::task::spawn_blocking(move || {
+                taxi::generate(&out, &config)?;
+                match dimensions {
+                    Some(dir) => taxi::generate_dimensions(&dir, drivers, seed),
+                    None => Ok(()),
+                }
+            })
+            .await??;
             eprintln!("wrote {rows} trips in {:.1?}", started.elapsed());
             Ok(())
         }

@@ -6,7 +6,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use arrow::array::{Float64Array, Int32Array};
+use arrow::array::ArrayRef;
+use arrow::array::{Float64Array, Int32Array, Int64Array, StringArray};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use arrow::record_batch::RecordBatch;
 use parquet::arrow::ArrowWriter;
@@ -21,7 +22,22 @@ pub struct TaxiConfig {
     pub files: u32,
     pub row_group_rows: usize,
     pub seed: u64,
+    /// Trips draw `driver_id` uniformly from `0..drivers` (the key of the drivers table).
+    pub drivers: u64,
 }
+
+/// The number of taxi zones (`pickup_zone` runs from 1 to this).
+pub const ZONES: i64 = 263;
+
+/// The boroughs zones belong to, zone `z` in `BOROUGHS[z % 6]`.
+pub const BOROUGHS: [&str; 6] = [
+    "Manhattan",
+    "Brooklyn",
+    "Queens",
+    "Bronx",
+    "Staten Island",
+    "EWR",
+];
 
 pub fn schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
@@ -31,6 +47,8 @@ pub fn schema() -> SchemaRef {
         Field::new("dropoff_latitude", DataType::Float64, false),
         Field::new("passenger_count", DataType::Int32, false),
         Field::new("fare_amount", DataType::Float64, false),
+        Field::new("pickup_zone", DataType::Int64, false),
+        Field::new("driver_id", DataType::Int64, false),
     ]))
 }
 
@@ -49,9 +67,11 @@ fn passengers(rng: &mut ChaCha8Rng) -> i32 {
     1
 }
 
-fn batch(rng: &mut ChaCha8Rng, rows: usize) -> Result<RecordBatch> {
+fn batch(rng: &mut ChaCha8Rng, rows: usize, drivers: u64) -> Result<RecordBatch> {
     let mut columns: [Vec<f64>; 5] = Default::default();
     let mut counts = Vec::with_capacity(rows);
+    let mut zones = Vec::with_capacity(rows);
+    let mut driver_ids = Vec::with_capacity(rows);
     for _ in 0..rows {
         // Manhattan-ish pickups, drop-offs a few kilometres away.
         let pickup_lon = -73.98 + rng.random_range(-0.06..0.06);
@@ -65,6 +85,8 @@ fn batch(rng: &mut ChaCha8Rng, rows: usize) -> Result<RecordBatch> {
         columns[3].push(dropoff_lat);
         columns[4].push((fare * 100.0).round() / 100.0);
         counts.push(passengers(rng));
+        zones.push(rng.random_range(1..=ZONES));
+        driver_ids.push(rng.random_range(0..drivers.max(1)) as i64);
     }
     let [a, b, c, d, fare] = columns;
     Ok(RecordBatch::try_new(
@@ -76,6 +98,8 @@ fn batch(rng: &mut ChaCha8Rng, rows: usize) -> Result<RecordBatch> {
             Arc::new(Float64Array::from(d)),
             Arc::new(Int32Array::from(counts)),
             Arc::new(Float64Array::from(fare)),
+            Arc::new(Int64Array::from(zones)),
+            Arc::new(Int64Array::from(driver_ids)),
         ],
     )?)
 }
@@ -105,13 +129,53 @@ pub fn generate(dir: &Path, config: &TaxiConfig) -> Result<()> {
         let mut left = rows as usize;
         while left > 0 {
             let n = left.min(config.row_group_rows);
-            writer.write(&batch(&mut rng, n)?)?;
+            writer.write(&batch(&mut rng, n, config.drivers)?)?;
             left -= n;
         }
         writer.close()?;
         std::fs::rename(&partial, &path)?;
     }
     Ok(())
+}
+
+/// Writes the dimension tables trips join with: `zones/part-00000.parquet` (`zone_id`,
+/// `borough`; 263 rows) and `drivers/part-00000.parquet` (`driver_id`, `rating`, `shift`;
+/// `drivers` rows) under `dir`.
+pub fn generate_dimensions(dir: &Path, drivers: u64, seed: u64) -> Result<()> {
+    let write = |name: &str, batch: RecordBatch, row_group_rows: usize| -> Result<()> {
+        let path = dir.join(name).join("part-00000.parquet");
+        std::fs::create_dir_all(dir.join(name))
+            .with_context(|| format!("cannot create `{}`", dir.join(name).display()))?;
+        wrk_host::io::write_file(&path, &[batch], row_group_rows)
+            .with_context(|| format!("cannot write `{}`", path.display()))
+    };
+    let zone_ids: Vec<i64> = (1..=ZONES).collect();
+    let boroughs: StringArray = zone_ids
+        .iter()
+        .map(|z| Some(BOROUGHS[(*z % 6) as usize]))
+        .collect();
+    let zones = RecordBatch::try_from_iter(vec![
+        ("zone_id", Arc::new(Int64Array::from(zone_ids)) as ArrayRef),
+        ("borough", Arc::new(boroughs) as ArrayRef),
+    ])?;
+    write("zones", zones, 1024)?;
+
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xd1d1);
+    let ids: Vec<i64> = (0..drivers as i64).collect();
+    let ratings: Vec<f64> = ids
+        .iter()
+        .map(|_| (rng.random_range(30.0..50.0f64)).round() / 10.0)
+        .collect();
+    let shifts: StringArray = ids
+        .iter()
+        .map(|id| Some(if id % 3 == 0 { "night" } else { "day" }))
+        .collect();
+    let drivers = RecordBatch::try_from_iter(vec![
+        ("driver_id", Arc::new(Int64Array::from(ids)) as ArrayRef),
+        ("rating", Arc::new(Float64Array::from(ratings)) as ArrayRef),
+        ("shift", Arc::new(shifts) as ArrayRef),
+    ])?;
+    write("drivers", drivers, 1 << 20)
 }
 
 #[cfg(test)]
@@ -126,6 +190,7 @@ mod tests {
             files: 2,
             row_group_rows: 500,
             seed: 7,
+            drivers: 100,
         };
         generate(&dir.path().join("a"), &config).unwrap();
         generate(&dir.path().join("b"), &config).unwrap();

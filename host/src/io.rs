@@ -566,7 +566,11 @@ mod tests {
             "projected back to `x`"
         );
         let x = b.column(0).as_any().downcast_ref::<Float64Array>().unwrap();
-        assert_eq!(x.value(0), 125.0, "x = id / 2 of the first row kept, id 250");
+        assert_eq!(
+            x.value(0),
+            125.0,
+            "x = id / 2 of the first row kept, id 250"
+        );
         let none = read_source(&uri, &[], None, Some(&at_least(1000))).unwrap();
         assert_eq!((none.num_rows(), none.num_columns()), (0, 2));
     }

@@ -38,9 +38,13 @@ fn cargo() -> Command {
     command
 }
 
-const GUESTS: [&str; 6] = [
+const GUESTS: [&str; 10] = [
     "taxi-haversine",
     "noop",
+    "fare-stats",
+    "zone-join",
+    "top-fares",
+    "word-count",
     "test-guest-trap",
     "test-guest-spin",
     "test-guest-hog",
@@ -87,6 +91,7 @@ pub fn taxi_dataset(rows: u64, files: u32, row_group_rows: usize) -> tempfile::T
             files,
             row_group_rows,
             seed: 11,
+            drivers: (rows / 4).max(1),
         },
     )
     .expect("generate taxi data");
