@@ -159,7 +159,12 @@ fn broadcast_join_matches_the_reference() {
     .unwrap();
     let partial_zones = data.path().join("some-zones");
     std::fs::create_dir_all(&partial_zones).unwrap();
-    wrk_host::io::write_file(&partial_zones.join("zones.parquet"), &[kept.clone()], 100).unwrap();
+    wrk_host::io::write_file(
+        &partial_zones.join("zones.parquet"),
+        std::slice::from_ref(&kept),
+        100,
+    )
+    .unwrap();
 
     let result = submit(
         "zone-join",
