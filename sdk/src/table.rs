@@ -110,6 +110,12 @@ impl Table {
         }
     }
 
+    /// One row: the aggregates over the whole table (`sum("x")`, `count("x")`...), in order.
+    pub fn aggregate(&self, aggregates: impl IntoIterator<Item = Agg>) -> Result<Table> {
+        let aggregates: Vec<_> = aggregates.into_iter().map(|a| a.to_raw()).collect();
+        Ok(Table(self.0.aggregate(&aggregates)?))
+    }
+
     /// `length` rows from `offset` on.
     pub fn slice(&self, offset: u64, length: u64) -> Table {
         Table(self.0.slice(offset, length))

@@ -264,6 +264,71 @@ pub fn group_by(
     RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).map_err(arrow_err(OP))
 }
 
+/// The aggregates over the whole table: one row. Sums, counts and means of numbers use Arrow's
+/// vectorised reductions; the other aggregates run as a group-by with a single group.
+pub fn aggregate(batch: &RecordBatch, aggregates: &[Aggregate]) -> Result<RecordBatch, OpError> {
+    const OP: &str = "aggregate";
+    let rows = batch.num_rows();
+    let mut single_group: Option<Vec<u32>> = None;
+    let mut fields = Vec::with_capacity(aggregates.len());
+    let mut columns: Vec<ArrayRef> = Vec::with_capacity(aggregates.len());
+    for aggregate in aggregates {
+        let values = batch.column(column_index(batch, OP, &aggregate.column)?);
+        let fast = whole_column(values, aggregate.function).map_err(arrow_err(OP))?;
+        let result = match fast {
+            Some(result) => result,
+            None => {
+                let groups = single_group.get_or_insert_with(|| vec![0; rows]);
+                aggregate_column(values, groups, 1, aggregate.function).map_err(|detail| {
+                    OpError::Invalid {
+                        operator: OP,
+                        detail: format!(
+                            "{:?} of column `{}`: {detail}",
+                            aggregate.function, aggregate.column
+                        ),
+                    }
+                })?
+            }
+        };
+        fields.push(Field::new(
+            &aggregate.alias,
+            result.data_type().clone(),
+            result.null_count() > 0,
+        ));
+        columns.push(result);
+    }
+    RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).map_err(arrow_err(OP))
+}
+
+/// Sum, count and mean of a whole numeric column with Arrow's reductions, typed as the group-by
+/// would type them; `None` for the other cases.
+fn whole_column(
+    values: &ArrayRef,
+    function: AggregateFn,
+) -> Result<Option<ArrayRef>, arrow::error::ArrowError> {
+    let data_type = values.data_type();
+    let valid = (values.len() - values.null_count()) as i64;
+    Ok(Some(match function {
+        AggregateFn::Count => Arc::new(Int64Array::from(vec![valid])),
+        AggregateFn::Sum | AggregateFn::Mean if data_type.is_floating() => {
+            let floats = compute::cast(values, &DataType::Float64)?;
+            let sum = compute::sum(floats.as_primitive::<Float64Type>());
+            let value = match function {
+                AggregateFn::Mean => sum.filter(|_| valid > 0).map(|s| s / valid as f64),
+                _ => sum,
+            };
+            Arc::new(Float64Array::from(vec![value]))
+        }
+        AggregateFn::Sum if data_type.is_signed_integer() => {
+            let ints = compute::cast(values, &DataType::Int64)?;
+            Arc::new(Int64Array::from(vec![compute::sum(
+                ints.as_primitive::<Int64Type>(),
+            )]))
+        }
+        _ => return Ok(None),
+    }))
+}
+
 fn aggregate_column(
     values: &ArrayRef,
     group_of_row: &[u32],
@@ -479,6 +544,34 @@ mod tests {
         assert_eq!(out.column(4).data_type(), &DataType::Int32);
         let distinct = out.column(6).as_primitive::<Int64Type>();
         assert_eq!(distinct.values(), &[2, 1, 1]);
+    }
+
+    #[test]
+    fn whole_table_aggregates_agree_with_a_single_group() {
+        let aggs = [
+            agg("n", AggregateFn::Sum, "n_sum"),
+            agg("x", AggregateFn::Sum, "x_sum"),
+            agg("n", AggregateFn::Count, "n_count"),
+            agg("x", AggregateFn::Mean, "x_mean"),
+            agg("n", AggregateFn::Min, "n_min"),
+            agg("k", AggregateFn::CountDistinct, "k_distinct"),
+        ];
+        let whole = aggregate(&batch(), &aggs).unwrap();
+        let one_key = with_columns(
+            &batch(),
+            &[("one".into(), &Expr::Literal(crate::expr::Literal::Int64(1)))],
+        )
+        .unwrap();
+        let grouped = group_by(&one_key, &["one".into()], &aggs).unwrap();
+        assert_eq!(whole.num_rows(), 1);
+        for (i, field) in whole.schema().fields().iter().enumerate() {
+            assert_eq!(
+                whole.column(i).to_data(),
+                grouped.column(i + 1).to_data(),
+                "{}",
+                field.name()
+            );
+        }
     }
 
     #[test]

@@ -549,6 +549,23 @@ impl HostTable for TaskState {
         self.table_result(ops::group_by(table.batch(), &keys, &aggregates).map_err(op_error))
     }
 
+    fn aggregate(
+        &mut self,
+        self_: Resource<Table>,
+        aggregates: Vec<Aggregate>,
+    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+        let table = self.host_table(&self_)?;
+        let aggregates: Vec<ops::Aggregate> = aggregates
+            .into_iter()
+            .map(|a| ops::Aggregate {
+                column: a.column,
+                function: aggregate_fn(a.op),
+                alias: a.alias,
+            })
+            .collect();
+        self.table_result(ops::aggregate(table.batch(), &aggregates).map_err(op_error))
+    }
+
     fn slice(
         &mut self,
         self_: Resource<Table>,

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""The engine benchmark: wrk against Polars, DuckDB and DataFusion, side by side in one run.
+
+Runs four queries over the same Parquet files (data/bench, written by `wrk gen-taxi`): the
+haversine pass, a group-by, a join with the 5 M-row drivers table and a pure scan. wrk runs each
+as a Wasm job on a local cluster of WORKERS workers (`wrk up`); the peers run the same query in
+this process with the same number of threads. Each query runs RUNS times per engine after one
+warm-up run; the best time counts. Prints rows/second, wrk's ratio to each peer, whether the
+answers agree, and the scan's bytes/second next to this machine's memory bandwidth (the best of
+three sums of a 1 GiB float64 array with numpy, one core).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+THREADS = int(os.environ.get("WORKERS", "2"))
+os.environ["POLARS_MAX_THREADS"] = str(THREADS)
+
+import datafusion  # noqa: E402
+import duckdb  # noqa: E402
+import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data" / "bench"
+WRK = ROOT / "target" / "release" / "wrk"
+RUNS = int(os.environ.get("RUNS", "3"))
+QUERIES = ["haversine", "groupby", "join", "scan"]
+RAD = 0.017453292519943295  # pi / 180, as the guest multiplies it
+
+
+def distance_sql():
+    lat1, lat2 = f"(pickup_latitude * {RAD})", f"(dropoff_latitude * {RAD})"
+    dlat = f"sin(({lat2} - {lat1}) / 2)"
+    dlon = f"sin(((dropoff_longitude * {RAD}) - (pickup_longitude * {RAD})) / 2)"
+    a = f"({dlat} * {dlat} + cos({lat1}) * cos({lat2}) * {dlon} * {dlon})"
+    return f"(2 * 6371.0 * asin(sqrt({a})))"
+
+
+SQL = {
+    "haversine": f"SELECT sum({distance_sql()}) AS distance_km, count(*) AS trips FROM trips",
+    "groupby": f"SELECT passenger_count, sum(fare_amount) AS fare_sum, avg({distance_sql()}) "
+    "AS mean_distance_km FROM trips GROUP BY passenger_count ORDER BY passenger_count",
+    "join": "SELECT shift, sum(fare_amount) AS fare_sum, count(*) AS trips FROM trips "
+    "JOIN drivers ON trips.driver_id = drivers.driver_id GROUP BY shift ORDER BY shift",
+    "scan": "SELECT sum(fare_amount) AS fare_sum FROM trips WHERE fare_amount > 30",
+}
+
+
+def polars_query(query):
+    trips = pl.scan_parquet(str(DATA / "taxi" / "*.parquet"))
+    col = pl.col
+    lat1, lat2 = col("pickup_latitude") * RAD, col("dropoff_latitude") * RAD
+    dlat = ((lat2 - lat1) / 2).sin()
+    dlon = ((col("dropoff_longitude") * RAD - col("pickup_longitude") * RAD) / 2).sin()
+    distance = 2 * 6371.0 * (dlat * dlat + lat1.cos() * lat2.cos() * dlon * dlon).sqrt().arcsin()
+    if query == "haversine":
+        plan = trips.select(distance.sum().alias("distance_km"), pl.len().alias("trips"))
+    elif query == "groupby":
+        plan = (
+            trips.group_by("passenger_count")
+            .agg(col("fare_amount").sum().alias("fare_sum"), distance.mean().alias("mean_distance_km"))
+            .sort("passenger_count")
+        )
+    elif query == "join":
+        drivers = pl.scan_parquet(str(DATA / "drivers" / "*.parquet"))
+        plan = (
+            trips.join(drivers, on="driver_id")
+            .group_by("shift")
+            .agg(col("fare_amount").sum().alias("fare_sum"), pl.len().alias("trips"))
+            .sort("shift")
+        )
+    else:
+        plan = trips.filter(col("fare_amount") > 30).select(col("fare_amount").sum().alias("fare_sum"))
+    return plan.collect().rows()
+
+
+def duckdb_engine():
+    con = duckdb.connect()
+    con.execute(f"SET threads = {THREADS}")
+    con.execute(f"CREATE VIEW trips AS SELECT * FROM read_parquet('{DATA}/taxi/*.parquet')")
+    con.execute(f"CREATE VIEW drivers AS SELECT * FROM read_parquet('{DATA}/drivers/*.parquet')")
+    return lambda query: con.execute(SQL[query]).fetchall()
+
+
+def datafusion_engine():
+    config = datafusion.SessionConfig().with_target_partitions(THREADS)
+    ctx = datafusion.SessionContext(config)
+    ctx.register_parquet("trips", str(DATA / "taxi") + "/")
+    ctx.register_parquet("drivers", str(DATA / "drivers") + "/")
+
+    def run(query):
+        table = ctx.sql(SQL[query]).to_arrow_table()
+        return [tuple(row.values()) for row in table.to_pylist()]
+
+    return run
+
+
+class WrkCluster:
+    """A `wrk up` local cluster; queries are `wrk submit --scheduler` runs against it."""
+
+    def __init__(self, workers):
+        self.url = "http://127.0.0.1:7171"
+        self.out = tempfile.mkdtemp(prefix="wrk-bench-")
+        self.process = subprocess.Popen(
+            [WRK, "up", "--workers", str(workers), "--slots", "1", "--listen", "127.0.0.1:7171",
+             "--http-listen", "127.0.0.1:8789", "--cache-dir", self.out + "/cache"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            status = subprocess.run([WRK, "status", "--scheduler", self.url, "--output", "json"],
+                                    capture_output=True, text=True)
+            if status.returncode == 0 and len(json.loads(status.stdout)["workers"]) >= workers:
+                return
+            time.sleep(0.3)
+        raise SystemExit("wrk up did not come up within 60 s:\n" + status.stdout + status.stderr)
+
+    def __call__(self, query):
+        result = Path(self.out) / f"{query}.parquet"
+        job = ROOT / "guest-examples" / "engine-bench" / f"{query}.toml"
+        run = subprocess.run([WRK, "submit", job, "--scheduler", self.url, "--quiet",
+                              "--output", result], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"wrk query {query} failed:\n{run.stderr}")
+        return [tuple(r.values()) for r in pq.read_table(result).to_pylist()]
+
+    def close(self):
+        self.process.terminate()
+        self.process.wait()
+
+
+def timed(run, query):
+    run(query)  # warm-up: caches, compiled module, page cache
+    best, answer = float("inf"), None
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        answer = run(query)
+        best = min(best, time.perf_counter() - start)
+    return best, answer
+
+
+def same(a, b):
+    if len(a) != len(b):
+        return False
+    for row_a, row_b in zip(a, b):
+        for x, y in zip(row_a, row_b):
+            if isinstance(x, float) or isinstance(y, float):
+                if abs(float(x) - float(y)) > 1e-6 * max(1.0, abs(float(y))):
+                    return False
+            elif x != y:
+                return False
+    return True
+
+
+def memory_bandwidth():
+    data = np.ones(1 << 27)  # 1 GiB of float64, touched once
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
+def main():
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in sorted((DATA / "taxi").glob("*.parquet")))
+    print(f"machine: {os.cpu_count()} cores, {THREADS} workers/threads per engine; {rows:,} trips; "
+          f"best of {RUNS} runs after a warm-up")
+    print(f"versions: polars {pl.__version__}, duckdb {duckdb.__version__}, "
+          f"datafusion {datafusion.__version__}")
+    cluster = WrkCluster(THREADS)
+    engines = {"wrk": cluster, "polars": polars_query, "duckdb": duckdb_engine(),
+               "datafusion": datafusion_engine()}
+    results = {}
+    try:
+        for query in QUERIES:
+            for name, run in engines.items():
+                results[(query, name)] = timed(run, query)
+    finally:
+        cluster.close()
+    peers = [n for n in engines if n != "wrk"]
+    header = f"{'query':<10} " + " ".join(f"{n + ' rows/s':>18}" for n in engines) + " " + \
+        " ".join(f"{'wrk/' + n:>14}" for n in peers) + "  answers"
+    print(header)
+    for query in QUERIES:
+        wrk_time, wrk_answer = results[(query, "wrk")]
+        cells = " ".join(f"{rows / results[(query, n)][0]:>18,.0f}" for n in engines)
+        ratios = " ".join(f"{results[(query, n)][0] / wrk_time:>13.2f}x" for n in peers)
+        agree = all(same(wrk_answer, results[(query, n)][1]) for n in peers)
+        print(f"{query:<10} {cells} {ratios}  {'agree' if agree else 'DIFFER'}")
+        if not agree:
+            for name in engines:
+                print(f"    {name}: {results[(query, name)][1]}", file=sys.stderr)
+    bandwidth = memory_bandwidth()
+    scan_bytes = rows * 8 / results[("scan", "wrk")][0]
+    print(f"scan: wrk reads fare_amount at {scan_bytes / 2**30:.2f} GiB/s; memory bandwidth "
+          f"(1 GiB numpy sum, one core) {bandwidth / 2**30:.2f} GiB/s; "
+          f"ratio {bandwidth / scan_bytes:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
