@@ -206,7 +206,7 @@ EOF
     # system:kube-controller-manager user alone may not create ReplicaSets or Pods.
     "$BIN/kube-controller-manager" --kubeconfig "$dir/controller-manager.kubeconfig" \
         --leader-elect=false --port 0 --secure-port 0 \
-        --controllers deployment,replicaset,garbagecollector,serviceaccount,serviceaccount-token,namespace \
+        --controllers deployment,replicaset,job,garbagecollector,serviceaccount,serviceaccount-token,namespace \
         --service-account-private-key-file "$dir/sa.key" \
         --use-service-account-credentials \
         >"$dir/kube-controller-manager.log" 2>&1 &
