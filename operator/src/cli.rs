@@ -115,6 +115,20 @@ pub async fn run(command: OperatorCommand) -> Result<(), Error> {
     Ok(())
 }
 
+/// Completes on SIGINT or SIGTERM (what the kubelet sends).
+async fn termination() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async {
+            match term.as_mut() {
+                Some(t) => { t.recv().await; }
+                None => std::future::pending::<()>().await,
+            }
+        } => {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,19 +155,5 @@ mod tests {
         assert_eq!(seconds("x", 1.5).ok(), Some(Duration::from_millis(1500)));
         assert!(seconds("x", 0.0).is_err());
         assert!(seconds("x", f64::NAN).is_err());
-    }
-}
-
-/// Completes on SIGINT or SIGTERM (what the kubelet sends).
-async fn termination() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = async {
-            match term.as_mut() {
-                Some(t) => { t.recv().await; }
-                None => std::future::pending::<()>().await,
-            }
-        } => {}
     }
 }

@@ -364,6 +364,10 @@ pub async fn reconcile(cluster: Arc<WrkCluster>, ctx: Arc<Context>) -> Result<Ac
             now,
         );
     }
+    // Conditions of features the spec no longer uses would only mislead.
+    status.conditions.retain(|c| {
+        (c.type_ != "Autoscaling" || autoscaled) && (c.type_ != "Idle" || idle_timeout.is_some())
+    });
     if let Some(timeout) = idle_timeout {
         let since = status.idle_since.clone().unwrap_or_default();
         let (idle_now, reason, message) = match (idle, &advice, &advice_problem) {
