@@ -302,7 +302,7 @@ pub struct WrkClusterStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready`, `SchedulerAvailable`, `WorkersReady`, `PodsPending`, `Autoscaling`.
+    /// `Ready`, `SchedulerAvailable`, `WorkersReady`, `PodsPending`, `Autoscaling`, `Idle`.
     #[serde(default)]
     pub conditions: Vec<Condition>,
     /// Where clients reach the scheduler's gRPC service (`http://NAME.NAMESPACE.svc:PORT`).
