@@ -93,7 +93,19 @@ impl Bars {
     }
 }
 
-/// Submits `spec`, follows it to the end and fetches its results; cancels it on Ctrl-C.
+/// Completes on SIGTERM (what Kubernetes sends a pod it stops, e.g. a Job past its deadline);
+/// never where the signal cannot be watched.
+async fn terminated(term: &mut Option<tokio::signal::unix::Signal>) {
+    match term {
+        Some(term) => {
+            term.recv().await;
+        }
+        None => std::future::pending::<()>().await,
+    }
+}
+
+/// Submits `spec`, follows it to the end and fetches its results; cancels it on Ctrl-C or
+/// SIGTERM.
 pub async fn run_job(
     url: &str,
     token: Option<&str>,
@@ -101,6 +113,8 @@ pub async fn run_job(
     show_progress: bool,
 ) -> Result<JobOutcome> {
     let mut client = connect(url, token).await?;
+    // Watched from before the submission, so a SIGTERM from then on cancels the job.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     let name = spec.name.clone();
     let tasks: u64 = spec.stages.iter().map(|s| u64::from(s.num_tasks)).sum();
     let bars = Bars::new(&spec, show_progress);
@@ -130,6 +144,11 @@ pub async fn run_job(
                 bars.finish();
                 let _ = client.cancel_job(job.clone()).await;
                 bail!("job `{name}` ({job_id}) cancelled by Ctrl-C");
+            }
+            _ = terminated(&mut term) => {
+                bars.finish();
+                let _ = client.cancel_job(job.clone()).await;
+                bail!("job `{name}` ({job_id}) cancelled by SIGTERM");
             }
         }
     };

@@ -73,11 +73,82 @@ pub struct WrkClusterSpec {
     /// Worker groups; each worker is one pod holding exactly one GPU or one MIG slice.
     #[schemars(length(min = 1))]
     pub worker_groups: Vec<WorkerGroupSpec>,
-    /// Delete the cluster after its scheduler has been idle this long (needs the scheduler's idle
-    /// report, see `scaling`).
+    /// Once the scheduler has reported no work (no unfinished task) for this long, every worker
+    /// group goes to its floor: `autoscaling.minReplicas`, or zero for a group without
+    /// autoscaling. Until then idle groups keep their workers (warm for the next job); they come
+    /// back as soon as the scheduler reports work again. Workers holding data are still retired
+    /// only when the scheduler reports them safe.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub idle_timeout_seconds: Option<u64>,
+    /// Bearer tokens from a Secret: the scheduler requires them (tenants and a worker token) and
+    /// the operator, workers and `WrkJob`s present them. Without it the scheduler is open to
+    /// anyone who can reach its Service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<AuthSpec>,
+}
+
+/// Where a cluster's tokens live: keys of one Secret in the cluster's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AuthSpec {
+    /// The Secret holding the keys below.
+    pub secret_name: String,
+    /// The tenants file (`wrk scheduler --tenants`), mounted into the scheduler pod.
+    #[serde(default = "default_tenants_key")]
+    pub tenants_key: String,
+    /// The token workers present (`WRK_WORKER_TOKEN` of the scheduler and the workers); it also
+    /// signs partition tickets.
+    #[serde(default = "default_worker_token_key")]
+    pub worker_token_key: String,
+    /// A tenant token (listed in the tenants file) the operator asks for scaling advice with,
+    /// and the token `WrkJob`s on this cluster submit with unless they name their own.
+    #[serde(default = "default_client_token_key")]
+    pub client_token_key: String,
+}
+
+/// Default key of the tenants file in an [`AuthSpec`] Secret.
+pub const DEFAULT_TENANTS_KEY: &str = "tenants.toml";
+/// Default key of the worker token in an [`AuthSpec`] Secret.
+pub const DEFAULT_WORKER_TOKEN_KEY: &str = "worker-token";
+/// Default key of the client (tenant) token in an [`AuthSpec`] Secret.
+pub const DEFAULT_CLIENT_TOKEN_KEY: &str = "client-token";
+
+fn default_tenants_key() -> String {
+    DEFAULT_TENANTS_KEY.to_string()
+}
+
+fn default_worker_token_key() -> String {
+    DEFAULT_WORKER_TOKEN_KEY.to_string()
+}
+
+fn default_client_token_key() -> String {
+    DEFAULT_CLIENT_TOKEN_KEY.to_string()
+}
+
+impl AuthSpec {
+    /// The Secret key holding the client token.
+    pub fn client_token(&self) -> SecretKeyRef {
+        SecretKeyRef {
+            name: self.secret_name.clone(),
+            key: self.client_token_key.clone(),
+        }
+    }
+
+    /// The Secret key holding the worker token.
+    pub fn worker_token(&self) -> SecretKeyRef {
+        SecretKeyRef {
+            name: self.secret_name.clone(),
+            key: self.worker_token_key.clone(),
+        }
+    }
+}
+
+/// One key of a Secret in the object's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct SecretKeyRef {
+    pub name: String,
+    pub key: String,
 }
 
 /// Where and how the scheduler runs.
@@ -231,7 +302,7 @@ pub struct WrkClusterStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready`, `SchedulerAvailable`, `WorkersReady`, `PodsPending`, `Autoscaling`.
+    /// `Ready`, `SchedulerAvailable`, `WorkersReady`, `PodsPending`, `Autoscaling`, `Idle`.
     #[serde(default)]
     pub conditions: Vec<Condition>,
     /// Where clients reach the scheduler's gRPC service (`http://NAME.NAMESPACE.svc:PORT`).
@@ -249,6 +320,9 @@ pub struct WrkClusterStatus {
     /// Pods (scheduler or workers) pending past the timeout, with the reason from their events.
     #[serde(default)]
     pub pending_pods: Vec<PendingPod>,
+    /// RFC 3339 time since which the scheduler has reported no work (with `idleTimeoutSeconds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since: Option<String>,
 }
 
 /// Counts for one worker group.
@@ -262,6 +336,9 @@ pub struct WorkerGroupStatus {
     /// Pods bound to a node.
     pub scheduled: u32,
     pub ready: u32,
+    /// Workers above `desired` kept because the scheduler has not reported them safe to retire.
+    #[serde(default)]
+    pub held: u32,
 }
 
 /// A pod stuck in `Pending` past the timeout, and why.
@@ -312,7 +389,13 @@ pub struct WrkJobSpec {
     /// Job parameters (`--param KEY=VALUE`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub params: BTreeMap<String, String>,
-    /// Fail the job if it has not finished this many seconds after it started.
+    /// The tenant token to submit with; defaults to the cluster's `auth` client token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<SecretKeyRef>,
+    /// Fail the job if it has not finished this many seconds after the `WrkJob` was created
+    /// (waiting for its cluster included): the submitting Job gets what is left as its
+    /// `activeDeadlineSeconds`, and the operator fails the `WrkJob` with reason
+    /// `DeadlineExceeded` if it is still not done.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub deadline_seconds: Option<i64>,
@@ -354,10 +437,21 @@ pub struct WrkJobStatus {
     /// The cluster the job runs on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster: Option<String>,
-    /// `Ready` (the job's cluster is up), `Complete`, `Failed`.
+    /// `Ready` (the cluster is up and the submitting Job created), `Running` (its pod runs),
+    /// `Complete` or `Failed` (with the reason: `DeadlineExceeded`, `BackoffLimitExceeded`, ...).
     #[serde(default)]
     pub conditions: Vec<Condition>,
-    /// RFC 3339 time the submitting Job finished.
+    /// RFC 3339 time the submitting Job started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<String>,
+    /// RFC 3339 time the job finished (succeeded or failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
+}
+
+impl JobPhase {
+    /// Succeeded or failed: nothing more will happen but the TTL.
+    pub fn is_finished(self) -> bool {
+        matches!(self, JobPhase::Succeeded | JobPhase::Failed)
+    }
 }

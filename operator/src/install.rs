@@ -87,6 +87,8 @@ pub fn cluster_role() -> ClusterRole {
             rule(&[""], &["services", "pods"], MANAGE),
             rule(&["batch"], &["jobs"], MANAGE),
             rule(&[""], &["events"], &["get", "list", "watch"]),
+            // The client token of a cluster's `auth` Secret, read by name: never listed.
+            rule(&[""], &["secrets"], &["get"]),
         ]),
         ..Default::default()
     }
@@ -269,7 +271,9 @@ mod tests {
         assert!(allows("apps", "deployments", "patch"));
         assert!(allows("", "events", "list"));
         assert!(allows("batch", "jobs", "create"));
-        assert!(!allows("", "secrets", "get"));
+        assert!(allows("", "secrets", "get"));
+        assert!(!allows("", "secrets", "list"));
+        assert!(!allows("", "secrets", "watch"));
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! Custom resources `WrkCluster` and `WrkJob` ([`crd`]); pure rendering of a cluster into its
 //! scheduler Deployment/Service and one worker pod per GPU ([`render`]), with flags derived from the
 //! pod's limits; the controllers that apply them server-side and report status ([`controller`]);
-//! scaling within bounds from the scheduler's advice ([`scaling`]); and what installs the operator
-//! ([`install`], the Helm chart under `chart/`). `wrk operator ...` is [`cli`].
+//! scaling within bounds from the scheduler's advice ([`scaling`], asked over gRPC by
+//! [`advisor`] with the cluster's token); and what installs the operator ([`install`], the Helm
+//! chart under `chart/`). `wrk operator ...` is [`cli`].
 
 pub mod advisor;
 pub mod cli;
@@ -34,4 +35,6 @@ pub enum Error {
     Yaml(String),
     #[error("time: {0}")]
     Time(#[from] k8s_openapi::jiff::Error),
+    #[error("configuration: {0}")]
+    Config(String),
 }

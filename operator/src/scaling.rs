@@ -1,42 +1,196 @@
-//! Worker-group scaling: how many workers a group should run and which ones may go.
+//! Worker-group scaling: how many workers each group should run and which ones may go.
 //!
-//! The scheduler is the one that knows the backlog and which workers hold data. It answers through
-//! a [`ScalingAdvisor`]; the operator only follows the recommendation within the group's bounds and
-//! retires nothing the scheduler has not reported safe to retire, except pods that never became
-//! ready (they never registered, so they hold nothing).
+//! The scheduler is the one that knows the backlog and which workers hold data. It answers for
+//! the whole cluster through a [`ScalingAdvisor`]; [`targets`] splits that answer over the worker
+//! groups and [`plan`] picks the pods to delete, never one the scheduler has not reported safe to
+//! retire, except pods that never became ready (they never registered, so they hold nothing).
+//!
+//! The split ([`targets`]), in order:
+//!
+//! 1. A group without `autoscaling` runs its `replicas`; its workers count towards the advice.
+//! 2. Without advice (the scheduler is not up yet or does not answer), an autoscaled group runs
+//!    its `replicas` clamped to its bounds.
+//! 3. With advice, the workers still wanted after the fixed groups are split over the autoscaled
+//!    groups. Each keeps the workers it has (clamped to its bounds), so scaling never moves
+//!    workers from one group to another.
+//!    - More needed: the increase goes to the groups in the order the spec lists them (list the
+//!      preferred, cheaper, group first), each up to its `maxReplicas`, skipping groups with pods
+//!      pending past the timeout: their nodes are full, and more pods would only wait there.
+//!      Every stage can run on every group today (stages name no device requirements yet), so
+//!      every autoscaled group is eligible.
+//!    - Fewer needed: the decrease comes from the groups in reverse order, down to each
+//!      `minReplicas`, first where workers can go now (pods not ready, workers the scheduler
+//!      reports safe), then wherever workers above the floor remain: those are held until the
+//!      scheduler reports them safe.
+//! 4. With `idleTimeoutSeconds`: while the scheduler reports no work, groups do not shrink until
+//!    the cluster has been idle that long; then every group goes to its floor (`minReplicas`, or
+//!    zero without autoscaling) until work arrives again.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
+use k8s_openapi::jiff::Timestamp;
 use thiserror::Error;
 
-use crate::crd::WorkerGroupSpec;
+use crate::crd::AutoscalingSpec;
 
-/// What the scheduler says about one worker group.
+/// What the scheduler says about the whole cluster.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Advice {
-    /// How many workers the backlog needs.
-    pub recommended: u32,
-    /// Workers (by id, which is their pod's name) holding no data the cluster still needs.
+    /// Workers the backlog needs to finish within the target time, over all groups (never fewer
+    /// than the workers holding data still needed).
+    pub desired: u32,
+    /// Unfinished tasks over all running jobs: zero means the cluster has no work.
+    pub backlog_tasks: u64,
+    /// Workers (by id, which is their pod's name) running nothing and holding no data the
+    /// cluster still needs.
     pub safe_to_retire: BTreeSet<String>,
 }
 
 /// Why no advice could be had.
 #[derive(Debug, Error)]
-#[error("scaling advice for `{cluster}` unavailable: {reason}")]
+#[error("scaling advice from `{scheduler}` unavailable: {reason}")]
 pub struct AdvisorError {
-    pub cluster: String,
+    pub scheduler: String,
     pub reason: String,
 }
 
-/// The scheduler's scaling answers, per worker group of a cluster.
+/// The scheduler's scaling answers.
 pub trait ScalingAdvisor: Send + Sync {
-    /// Advice for `group` of the cluster whose scheduler is at `scheduler_address`.
+    /// Advice from the scheduler at `scheduler_address`, asked with the tenant `token` when the
+    /// scheduler requires one.
     fn advise<'a>(
         &'a self,
         scheduler_address: &'a str,
-        group: &'a str,
+        token: Option<&'a str>,
     ) -> BoxFuture<'a, Result<Advice, AdvisorError>>;
+}
+
+/// A worker group as the split sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupView {
+    /// `None` for a group of fixed size.
+    pub bounds: Option<AutoscalingSpec>,
+    pub replicas: u32,
+    /// Live pods of the group.
+    pub current: u32,
+    /// Live pods that may be deleted now: not ready, or reported safe to retire.
+    pub removable: u32,
+    /// Some pod of the group is pending past the timeout.
+    pub stuck: bool,
+}
+
+impl GroupView {
+    /// `(min, max)`, with a max below the min read as the min.
+    fn range(&self) -> Option<(u32, u32)> {
+        self.bounds
+            .map(|b| (b.min_replicas, b.min_replicas.max(b.max_replicas)))
+    }
+
+    /// Where an idle cluster takes the group.
+    fn floor(&self) -> u32 {
+        self.range().map_or(0, |(min, _)| min)
+    }
+}
+
+/// Whether the cluster has work, as far as the idle timeout is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Idle {
+    /// There is work, the timeout is not set, or the scheduler did not answer: follow the advice.
+    Busy,
+    /// No work, for less than the idle timeout: groups keep their workers.
+    Waiting,
+    /// No work for the idle timeout or longer: groups go to their floor.
+    TimedOut,
+}
+
+/// The idle state at `now`, and the idle-since time to record: idle starts when the scheduler
+/// first reports no work and ends with any work or without an answer.
+pub fn idle_state(
+    timeout: Option<Duration>,
+    advice: Option<&Advice>,
+    idle_since: Option<Timestamp>,
+    now: Timestamp,
+) -> (Idle, Option<Timestamp>) {
+    let (Some(timeout), Some(advice)) = (timeout, advice) else {
+        return (Idle::Busy, None);
+    };
+    if advice.backlog_tasks > 0 {
+        return (Idle::Busy, None);
+    }
+    let since = idle_since.filter(|s| *s <= now).unwrap_or(now);
+    let idle_for = now.duration_since(since).unsigned_abs();
+    let state = if idle_for >= timeout {
+        Idle::TimedOut
+    } else {
+        Idle::Waiting
+    };
+    (state, Some(since))
+}
+
+/// How many workers each group should have (in the order of `groups`); see the module
+/// documentation for the rule.
+pub fn targets(groups: &[GroupView], advice: Option<&Advice>, idle: Idle) -> Vec<u32> {
+    if idle == Idle::TimedOut {
+        return groups.iter().map(GroupView::floor).collect();
+    }
+    let mut out: Vec<u32> = groups
+        .iter()
+        .map(|g| match g.range() {
+            None => g.replicas,
+            Some((min, max)) => match advice {
+                None => g.replicas.clamp(min, max),
+                Some(_) => g.current.clamp(min, max),
+            },
+        })
+        .collect();
+    let Some(advice) = advice else {
+        return out;
+    };
+    let fixed: u32 = groups
+        .iter()
+        .zip(&out)
+        .filter(|(g, _)| g.bounds.is_none())
+        .map(|(_, t)| *t)
+        .sum();
+    let scaled: Vec<usize> = (0..groups.len())
+        .filter(|&i| groups[i].bounds.is_some())
+        .collect();
+    let need = u64::from(advice.desired.saturating_sub(fixed));
+    let total: u64 = scaled.iter().map(|&i| u64::from(out[i])).sum();
+    if need > total {
+        let mut extra = need - total;
+        for &i in scaled.iter().filter(|&&i| !groups[i].stuck) {
+            let Some((_, max)) = groups[i].range() else {
+                continue;
+            };
+            let add = extra.min(u64::from(max - out[i]));
+            out[i] += add as u32;
+            extra -= add;
+        }
+    } else if need < total && idle == Idle::Busy {
+        let mut excess = total - need;
+        // First where workers can go now, then where they will be held until safe.
+        for first_pass in [true, false] {
+            for &i in scaled.iter().rev() {
+                let g = &groups[i];
+                let Some((min, _)) = g.range() else {
+                    continue;
+                };
+                let mut take = u64::from(out[i] - min);
+                if first_pass {
+                    // Pods above the clamped count already use up some of the removable ones.
+                    let over = g.current.saturating_sub(out[i]);
+                    take = take.min(u64::from(g.removable.saturating_sub(over)));
+                }
+                let take = take.min(excess);
+                out[i] -= take as u32;
+                excess -= take;
+            }
+        }
+    }
+    out
 }
 
 /// A worker pod as the planner sees it.
@@ -56,18 +210,6 @@ pub struct Plan {
     pub retire: Vec<String>,
     /// Workers above the target kept because the scheduler has not reported them safe.
     pub held: u32,
-}
-
-/// The number of workers `group` should have: its replicas, or with autoscaling the advice (or the
-/// replicas when there is none) clamped to the bounds.
-pub fn target(group: &WorkerGroupSpec, advice: Option<&Advice>) -> u32 {
-    match group.autoscaling {
-        None => group.replicas,
-        Some(bounds) => advice.map_or(group.replicas, |a| a.recommended).clamp(
-            bounds.min_replicas,
-            bounds.min_replicas.max(bounds.max_replicas),
-        ),
-    }
 }
 
 /// Which of `workers` to retire to reach `target`. Pods that are not ready go first (newest name
@@ -105,8 +247,6 @@ pub fn index_of(name: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::AutoscalingSpec;
-    use crate::render::testing;
 
     fn workers(spec: &[(&str, bool)]) -> Vec<Worker> {
         spec.iter()
@@ -121,34 +261,164 @@ mod tests {
         names.iter().map(|n| n.to_string()).collect()
     }
 
-    #[test]
-    fn fixed_groups_ignore_advice() {
-        let g = testing::group("g", 3, "nvidia.com/gpu");
-        let advice = Advice {
-            recommended: 10,
-            ..Default::default()
-        };
-        assert_eq!(target(&g, Some(&advice)), 3);
+    fn scaled(min: u32, max: u32, current: u32) -> GroupView {
+        GroupView {
+            bounds: Some(AutoscalingSpec {
+                min_replicas: min,
+                max_replicas: max,
+            }),
+            replicas: min,
+            current,
+            removable: current,
+            stuck: false,
+        }
+    }
+
+    fn fixed(replicas: u32, current: u32) -> GroupView {
+        GroupView {
+            bounds: None,
+            replicas,
+            current,
+            removable: current,
+            stuck: false,
+        }
+    }
+
+    fn advise(desired: u32, backlog_tasks: u64) -> Advice {
+        Advice {
+            desired,
+            backlog_tasks,
+            safe_to_retire: BTreeSet::new(),
+        }
     }
 
     #[test]
-    fn advice_is_clamped_to_bounds() {
-        let mut g = testing::group("g", 3, "nvidia.com/gpu");
-        g.autoscaling = Some(AutoscalingSpec {
-            min_replicas: 2,
-            max_replicas: 5,
-        });
-        let advise = |n| Advice {
-            recommended: n,
-            ..Default::default()
-        };
-        assert_eq!(target(&g, Some(&advise(10))), 5);
-        assert_eq!(target(&g, Some(&advise(0))), 2);
-        assert_eq!(target(&g, Some(&advise(4))), 4);
+    fn fixed_groups_ignore_advice() {
+        let groups = [fixed(3, 3)];
+        assert_eq!(targets(&groups, Some(&advise(10, 50)), Idle::Busy), [3]);
+        assert_eq!(targets(&groups, Some(&advise(0, 0)), Idle::Busy), [3]);
+        assert_eq!(targets(&groups, None, Idle::Busy), [3]);
+    }
+
+    #[test]
+    fn one_group_follows_the_advice_within_bounds() {
+        let g = |current| [scaled(2, 5, current)];
+        assert_eq!(targets(&g(3), Some(&advise(10, 9)), Idle::Busy), [5]);
+        assert_eq!(targets(&g(3), Some(&advise(0, 0)), Idle::Busy), [2]);
+        assert_eq!(targets(&g(3), Some(&advise(4, 9)), Idle::Busy), [4]);
         // No advice: the replicas, still within bounds.
-        assert_eq!(target(&g, None), 3);
-        g.replicas = 9;
-        assert_eq!(target(&g, None), 5);
+        let mut no_advice = scaled(2, 5, 0);
+        no_advice.replicas = 3;
+        assert_eq!(targets(&[no_advice], None, Idle::Busy), [3]);
+        no_advice.replicas = 9;
+        assert_eq!(targets(&[no_advice], None, Idle::Busy), [5]);
+    }
+
+    #[test]
+    fn increases_fill_groups_in_spec_order_after_fixed_groups() {
+        let groups = [fixed(1, 1), scaled(1, 3, 1), scaled(0, 2, 0)];
+        // 6 wanted: the fixed worker counts, the first group fills to 3, the second takes 2.
+        assert_eq!(
+            targets(&groups, Some(&advise(6, 100)), Idle::Busy),
+            [1, 3, 2]
+        );
+        // More than every bound allows: each at its max.
+        assert_eq!(
+            targets(&groups, Some(&advise(50, 100)), Idle::Busy),
+            [1, 3, 2]
+        );
+        // 3 wanted: only the first group grows.
+        assert_eq!(
+            targets(&groups, Some(&advise(3, 100)), Idle::Busy),
+            [1, 2, 0]
+        );
+    }
+
+    #[test]
+    fn existing_workers_stay_in_their_group() {
+        // The second group already has 2: the first is not grown to take them over.
+        let groups = [scaled(0, 4, 0), scaled(0, 4, 2)];
+        assert_eq!(targets(&groups, Some(&advise(3, 9)), Idle::Busy), [1, 2]);
+    }
+
+    #[test]
+    fn stuck_groups_get_no_more_workers() {
+        let mut first = scaled(0, 4, 2);
+        first.stuck = true;
+        let groups = [first, scaled(0, 4, 0)];
+        assert_eq!(targets(&groups, Some(&advise(5, 9)), Idle::Busy), [2, 3]);
+    }
+
+    #[test]
+    fn decreases_come_from_the_last_group_and_from_retirable_workers_first() {
+        let groups = [scaled(1, 4, 3), scaled(0, 4, 3)];
+        // 6 -> 4: the last group gives 2.
+        assert_eq!(targets(&groups, Some(&advise(4, 9)), Idle::Busy), [3, 1]);
+        // The last group's workers all hold data: the first group's go instead.
+        let mut holding = groups;
+        holding[1].removable = 0;
+        assert_eq!(targets(&holding, Some(&advise(4, 9)), Idle::Busy), [1, 3]);
+        // Nothing can go anywhere: the cut lands on the last group, held there until safe.
+        holding[0].removable = 0;
+        assert_eq!(targets(&holding, Some(&advise(4, 9)), Idle::Busy), [3, 1]);
+        // Never below a minimum.
+        assert_eq!(targets(&groups, Some(&advise(0, 0)), Idle::Busy), [1, 0]);
+    }
+
+    #[test]
+    fn pods_above_the_max_use_up_removable_workers_first() {
+        // 5 pods for a max of 3 (the max was lowered): 2 removable pods go for the max already.
+        let mut over = scaled(0, 3, 5);
+        over.removable = 2;
+        let groups = [scaled(0, 4, 2), over];
+        assert_eq!(targets(&groups, Some(&advise(4, 9)), Idle::Busy), [1, 3]);
+    }
+
+    #[test]
+    fn idle_groups_wait_then_go_to_their_floor() {
+        let groups = [fixed(2, 2), scaled(1, 4, 3)];
+        let idle = advise(0, 0);
+        assert_eq!(targets(&groups, Some(&idle), Idle::Waiting), [2, 3]);
+        assert_eq!(targets(&groups, Some(&idle), Idle::TimedOut), [0, 1]);
+        assert_eq!(targets(&groups, Some(&idle), Idle::Busy), [2, 1]);
+    }
+
+    #[test]
+    fn idle_time_starts_at_the_first_idle_answer() {
+        let t = |s: i64| Timestamp::from_second(1_700_000_000 + s).unwrap();
+        let timeout = Some(Duration::from_secs(30));
+        let idle = advise(0, 0);
+        let busy = advise(2, 7);
+        assert_eq!(
+            idle_state(timeout, Some(&idle), None, t(0)),
+            (Idle::Waiting, Some(t(0)))
+        );
+        assert_eq!(
+            idle_state(timeout, Some(&idle), Some(t(0)), t(29)),
+            (Idle::Waiting, Some(t(0)))
+        );
+        assert_eq!(
+            idle_state(timeout, Some(&idle), Some(t(0)), t(30)),
+            (Idle::TimedOut, Some(t(0)))
+        );
+        assert_eq!(
+            idle_state(timeout, Some(&busy), Some(t(0)), t(31)),
+            (Idle::Busy, None)
+        );
+        // No answer or no timeout: not idle.
+        assert_eq!(
+            idle_state(timeout, None, Some(t(0)), t(60)),
+            (Idle::Busy, None)
+        );
+        assert_eq!(
+            idle_state(None, Some(&idle), None, t(60)),
+            (Idle::Busy, None)
+        );
+        // A recorded time in the future (clock skew) restarts the wait.
+        assert_eq!(
+            idle_state(timeout, Some(&idle), Some(t(90)), t(60)),
+            (Idle::Waiting, Some(t(60)))
+        );
     }
 
     #[test]

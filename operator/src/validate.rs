@@ -21,6 +21,29 @@ fn is_dns_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
+fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(is_dns_label_loose)
+}
+
+/// A DNS label that may start with a digit (RFC 1123, as object names allow).
+fn is_dns_label_loose(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_secret_key(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s != "."
+        && s != ".."
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
 /// Whether `resource` is one the operator gives each worker one of.
 pub fn is_gpu_resource(resource: &str) -> bool {
     resource == GPU_RESOURCE
@@ -46,6 +69,25 @@ pub fn cluster(name: &str, spec: &WrkClusterSpec) -> Result<(), Vec<String>> {
     }
     if spec.worker_groups.is_empty() {
         problems.push("`workerGroups` is empty".to_string());
+    }
+    if let Some(auth) = &spec.auth {
+        if !is_dns_subdomain(&auth.secret_name) {
+            problems.push(format!(
+                "auth.secretName `{}` is not a valid Secret name",
+                auth.secret_name
+            ));
+        }
+        for (field, key) in [
+            ("tenantsKey", &auth.tenants_key),
+            ("workerTokenKey", &auth.worker_token_key),
+            ("clientTokenKey", &auth.client_token_key),
+        ] {
+            if !is_secret_key(key) {
+                problems.push(format!(
+                    "auth.{field} `{key}` is not a valid Secret key (letters, digits, '-', '_', '.')"
+                ));
+            }
+        }
     }
     let mut seen = BTreeSet::new();
     for group in &spec.worker_groups {
@@ -131,6 +173,19 @@ mod tests {
             text.contains("minReplicas 5 exceeds maxReplicas 2"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn auth_names_a_valid_secret_and_keys() {
+        let mut c = testing::cluster(vec![testing::group("a100", 1, "nvidia.com/gpu")]);
+        c.spec.auth = Some(testing::auth("demo-tokens"));
+        assert_eq!(cluster("demo", &c.spec), Ok(()));
+        let mut bad = testing::auth("Demo_Tokens");
+        bad.client_token_key = "a/b".to_string();
+        c.spec.auth = Some(bad);
+        let text = cluster("demo", &c.spec).unwrap_err().join("\n");
+        assert!(text.contains("auth.secretName `Demo_Tokens`"), "{text}");
+        assert!(text.contains("auth.clientTokenKey `a/b`"), "{text}");
     }
 
     #[test]

@@ -14,7 +14,9 @@
 # Known traps handled here (../../../shared/FACTS.md, Kubernetes): the vendored modern-go/reflect2
 # 1.0.1 segfaults under Go 1.19 on the first custom resource, so Debian's 1.0.2 replaces it; the
 # node-lifecycle controller is left out (it would mark the fake, kubelet-less nodes unreachable);
-# the scheduler gets no --authentication-kubeconfig.
+# the scheduler gets no --authentication-kubeconfig. The controller-manager runs the deployment,
+# replicaset and job controllers (a WrkJob's submitting Job gets its pod and its conditions from
+# the real Job controller), the garbage collector and the service-account controllers.
 set -euo pipefail
 
 CACHE="${WRK_K8S_CACHE:-$HOME/.cache/wrk-k8s}"
@@ -206,7 +208,7 @@ EOF
     # system:kube-controller-manager user alone may not create ReplicaSets or Pods.
     "$BIN/kube-controller-manager" --kubeconfig "$dir/controller-manager.kubeconfig" \
         --leader-elect=false --port 0 --secure-port 0 \
-        --controllers deployment,replicaset,garbagecollector,serviceaccount,serviceaccount-token,namespace \
+        --controllers deployment,replicaset,job,garbagecollector,serviceaccount,serviceaccount-token,namespace \
         --service-account-private-key-file "$dir/sa.key" \
         --use-service-account-credentials \
         >"$dir/kube-controller-manager.log" 2>&1 &

@@ -14,8 +14,8 @@ use k8s_openapi::api::core::v1::ResourceRequirements;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::CustomResourceExt;
 use wrk_operator::crd::{
-    AutoscalingSpec, GpuSpec, JobSource, Transport, WorkerGroupSpec, WrkCluster, WrkClusterSpec,
-    WrkJob, WrkJobSpec,
+    AuthSpec, AutoscalingSpec, GpuSpec, JobSource, SecretKeyRef, Transport, WorkerGroupSpec,
+    WrkCluster, WrkClusterSpec, WrkJob, WrkJobSpec,
 };
 use wrk_operator::install::{self, InstallOptions};
 use wrk_operator::render;
@@ -87,6 +87,12 @@ fn sample_cluster() -> WrkCluster {
                 group("mig", "nvidia.com/mig-1g.10gb"),
             ],
             idle_timeout_seconds: Some(1800),
+            auth: Some(AuthSpec {
+                secret_name: "taxi-tokens".to_string(),
+                tenants_key: "tenants.toml".to_string(),
+                worker_token_key: "worker-token".to_string(),
+                client_token_key: "client-token".to_string(),
+            }),
         },
     );
     cluster.metadata.namespace = Some("data".to_string());
@@ -106,6 +112,10 @@ fn sample_job(cluster: &WrkCluster) -> WrkJob {
             cluster: None,
             ephemeral_cluster: Some(cluster.spec.clone()),
             params: BTreeMap::from([("year".to_string(), "2024".to_string())]),
+            token: Some(SecretKeyRef {
+                name: "alice".to_string(),
+                key: "token".to_string(),
+            }),
             deadline_seconds: Some(3600),
             ttl_seconds_after_finished: Some(600),
         },
@@ -147,10 +157,7 @@ fn rendered_objects() -> Vec<(String, serde_json::Value)> {
     }
     push(
         "submit-job",
-        serde_json::to_value(
-            render::job::submit_job(&job, "taxi-2024", &cluster.spec.image).unwrap(),
-        )
-        .unwrap(),
+        serde_json::to_value(render::job::submit_job(&job, &cluster, Some(3600)).unwrap()).unwrap(),
     );
     objects
 }

@@ -5,6 +5,7 @@
 pub mod cluster;
 pub mod job;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,14 +30,32 @@ pub struct ControllerConfig {
     pub pending_timeout: Duration,
     /// Watch only this namespace (all namespaces when `None`).
     pub namespace: Option<String>,
+    /// How often a cluster that autoscales or has an idle timeout asks its scheduler again.
+    pub advice_interval: Duration,
+    /// Where the operator itself reaches the scheduler of cluster `NAMESPACE/NAME`, instead of
+    /// the Service's cluster DNS name (for an operator running outside the cluster, through a
+    /// port-forward or a load balancer). Pods always use the Service.
+    pub scheduler_addresses: BTreeMap<String, String>,
+}
+
+impl ControllerConfig {
+    /// Defaults, with `pending_timeout`.
+    pub fn new(pending_timeout: Duration) -> Self {
+        ControllerConfig {
+            pending_timeout,
+            namespace: None,
+            advice_interval: Duration::from_secs(15),
+            scheduler_addresses: BTreeMap::new(),
+        }
+    }
 }
 
 /// What every reconcile shares.
 pub struct Context {
     pub client: Client,
     pub config: ControllerConfig,
-    /// The scheduler's scaling advice; `None` until the scheduler serves it (groups with
-    /// autoscaling then stay at their replicas within bounds, and say so in their status).
+    /// The schedulers' scaling advice; without it groups with autoscaling stay at their
+    /// replicas within bounds, and say so in their status.
     pub advisor: Option<Arc<dyn ScalingAdvisor>>,
 }
 

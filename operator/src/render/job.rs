@@ -1,6 +1,11 @@
 //! What a `WrkJob` runs: the batch Job that submits the job file to the cluster's scheduler
-//! (`wrk submit FILE --scheduler ADDRESS`), and the ephemeral `WrkCluster` created for a job that
-//! names no cluster.
+//! (`wrk submit FILE --scheduler ADDRESS`, with the tenant token from a Secret when the cluster
+//! requires one), and the ephemeral `WrkCluster` created for a job that names no cluster.
+//!
+//! The submitting Job is not retried (`backoffLimit: 0`): a resubmission would rerun the whole job
+//! from the start, and the scheduler already retries failed tasks. Its `activeDeadlineSeconds` is
+//! what is left of the `WrkJob`'s deadline; when the Job controller stops the pod, `wrk submit`
+//! cancels the job in the scheduler on SIGTERM.
 
 use std::collections::BTreeMap;
 
@@ -11,9 +16,12 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
 
-use super::{FIELD_MANAGER, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, scheduler_address};
+use super::{
+    FIELD_MANAGER, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, env_from_secret,
+    scheduler_address,
+};
 use crate::Error;
-use crate::crd::{WrkCluster, WrkClusterSpec, WrkJob};
+use crate::crd::{SecretKeyRef, WrkCluster, WrkClusterSpec, WrkJob};
 
 pub const COMPONENT: &str = "job";
 /// Label naming the `WrkJob` an object belongs to.
@@ -62,10 +70,25 @@ pub fn ephemeral_cluster(job: &WrkJob, spec: &WrkClusterSpec) -> Result<WrkClust
     Ok(cluster)
 }
 
-/// The batch Job submitting `job` to cluster `cluster` (whose image is the default).
-pub fn submit_job(job: &WrkJob, cluster: &str, cluster_image: &str) -> Result<Job, Error> {
+/// The tenant token `job` submits with: its own, else its cluster's client token.
+pub fn token(job: &WrkJob, cluster: &WrkCluster) -> Option<SecretKeyRef> {
+    job.spec
+        .token
+        .clone()
+        .or_else(|| cluster.spec.auth.as_ref().map(|a| a.client_token()))
+}
+
+/// The batch Job submitting `job` to `cluster` (whose image is the default), to be stopped after
+/// `active_deadline_seconds`.
+pub fn submit_job(
+    job: &WrkJob,
+    cluster: &WrkCluster,
+    active_deadline_seconds: Option<i64>,
+) -> Result<Job, Error> {
     let o = owner(job)?;
     let spec = &job.spec;
+    let cluster_name = cluster.name_any();
+    let cluster_image = cluster.spec.image.as_str();
     let job_file = match &spec.source.config_map {
         Some(_) => format!("{JOB_DIR}/{}", spec.source.job_file),
         None => spec.source.job_file.clone(),
@@ -74,7 +97,7 @@ pub fn submit_job(job: &WrkJob, cluster: &str, cluster_image: &str) -> Result<Jo
         "submit".to_string(),
         job_file,
         "--scheduler".to_string(),
-        scheduler_address(cluster, &o.namespace),
+        scheduler_address(&cluster_name, &o.namespace),
         "--quiet".to_string(),
     ];
     for (key, value) in &spec.params {
@@ -110,8 +133,8 @@ pub fn submit_job(job: &WrkJob, cluster: &str, cluster_image: &str) -> Result<Jo
             ..Default::default()
         },
         spec: Some(JobSpec {
-            active_deadline_seconds: spec.deadline_seconds,
-            backoff_limit: Some(2),
+            active_deadline_seconds,
+            backoff_limit: Some(0),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels),
@@ -126,6 +149,8 @@ pub fn submit_job(job: &WrkJob, cluster: &str, cluster_image: &str) -> Result<Jo
                                 .unwrap_or_else(|| cluster_image.to_string()),
                         ),
                         args: Some(args),
+                        env: token(job, cluster)
+                            .map(|secret| vec![env_from_secret("WRK_TOKEN", &secret)]),
                         volume_mounts: mounts,
                         security_context: Some(super::scheduler::restricted_security_context()),
                         ..Default::default()
@@ -160,6 +185,7 @@ mod tests {
                 cluster: Some("shared".to_string()),
                 ephemeral_cluster: None,
                 params: BTreeMap::from([("year".to_string(), "2024".to_string())]),
+                token: None,
                 deadline_seconds: Some(600),
                 ttl_seconds_after_finished: None,
             },
@@ -169,12 +195,29 @@ mod tests {
         job
     }
 
+    fn shared() -> WrkCluster {
+        let mut cluster = testing::cluster(vec![testing::group("g", 1, "nvidia.com/gpu")]);
+        cluster.metadata.name = Some("shared".to_string());
+        cluster
+    }
+
+    fn token_env(j: &Job) -> Option<(String, String)> {
+        let pod = j.spec.as_ref()?.template.spec.as_ref()?;
+        let env = pod.containers[0].env.as_ref()?;
+        let token = env.iter().find(|e| e.name == "WRK_TOKEN")?;
+        assert!(token.value.is_none(), "never the token itself");
+        let key = token.value_from.as_ref()?.secret_key_ref.as_ref()?;
+        Some((key.name.clone(), key.key.clone()))
+    }
+
     #[test]
     fn submit_job_runs_wrk_submit_against_the_cluster() {
-        let j = submit_job(&job(Some("taxi-files")), "shared", "example.org/wrk:0.1.0").unwrap();
+        let j = submit_job(&job(Some("taxi-files")), &shared(), Some(540)).unwrap();
         assert_eq!(j.metadata.name.as_deref(), Some("taxi-submit"));
+        assert_eq!(token_env(&j), None, "an open cluster needs no token");
         let spec = j.spec.unwrap();
-        assert_eq!(spec.active_deadline_seconds, Some(600));
+        assert_eq!(spec.active_deadline_seconds, Some(540));
+        assert_eq!(spec.backoff_limit, Some(0));
         let pod = spec.template.spec.unwrap();
         let c = &pod.containers[0];
         assert_eq!(c.image.as_deref(), Some("example.org/wrk:0.1.0"));
@@ -200,7 +243,7 @@ mod tests {
         let mut j = job(None);
         j.spec.source.job_file = "/opt/jobs/taxi.toml".to_string();
         j.spec.image = Some("example.org/taxi-job:1".to_string());
-        let rendered = submit_job(&j, "shared", "example.org/wrk:0.1.0").unwrap();
+        let rendered = submit_job(&j, &shared(), None).unwrap();
         let pod = rendered.spec.unwrap().template.spec.unwrap();
         assert_eq!(
             pod.containers[0].args.as_ref().unwrap()[1],
@@ -211,6 +254,27 @@ mod tests {
             Some("example.org/taxi-job:1")
         );
         assert!(pod.volumes.is_none());
+    }
+
+    #[test]
+    fn the_token_comes_from_the_job_or_else_the_cluster_auth() {
+        let mut cluster = shared();
+        cluster.spec.auth = Some(testing::auth("shared-tokens"));
+        let mut j = job(None);
+        let from_cluster = submit_job(&j, &cluster, None).unwrap();
+        assert_eq!(
+            token_env(&from_cluster),
+            Some(("shared-tokens".to_string(), "client-token".to_string()))
+        );
+        j.spec.token = Some(SecretKeyRef {
+            name: "alice".to_string(),
+            key: "token".to_string(),
+        });
+        let own = submit_job(&j, &cluster, None).unwrap();
+        assert_eq!(
+            token_env(&own),
+            Some(("alice".to_string(), "token".to_string()))
+        );
     }
 
     #[test]

@@ -8,9 +8,13 @@ pub mod worker;
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{
+    ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, Probe, ResourceRequirements,
+    SecretKeySelector, Toleration,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
 use crate::Error;
@@ -18,12 +22,18 @@ use crate::crd::WrkCluster;
 
 /// The scheduler's gRPC port (`wrk scheduler --listen`).
 pub const GRPC_PORT: i32 = 7070;
-/// Reserved for the scheduler's dashboard (not served yet by `wrk scheduler`).
+/// The scheduler's HTTP port (`wrk scheduler --http-listen`): dashboard, `/metrics`, `/healthz`.
+/// The Service offers it as `dashboard` on this port and as `metrics` on [`METRICS_PORT`].
 pub const DASHBOARD_PORT: i32 = 8787;
-/// Reserved for the scheduler's Prometheus metrics (not served yet by `wrk scheduler`).
+/// The metrics port: the scheduler Service's `metrics` port, and each worker's
+/// `--metrics-listen` (`/metrics`, `/healthz`).
 pub const METRICS_PORT: i32 = 9090;
 /// The worker's data port (`wrk worker --listen`), where peers fetch partitions.
 pub const WORKER_DATA_PORT: i32 = 7071;
+/// Where the scheduler mounts its cluster's tenants file.
+pub const AUTH_DIR: &str = "/etc/wrk/auth";
+/// The file name of the mounted tenants file.
+pub const TENANTS_FILE: &str = "tenants.toml";
 
 /// Field manager of the operator's server-side applies.
 pub const FIELD_MANAGER: &str = "wrk-operator";
@@ -153,6 +163,59 @@ pub(crate) fn tolerations(default: Toleration, extra: Option<&Vec<Toleration>>) 
     all
 }
 
+/// Prometheus' conventional scrape annotations (`prometheus.io/scrape`, `port`, `path`), read by
+/// the usual `kubernetes_sd_configs` relabelling rules.
+pub fn prometheus_annotations(port: i32) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("prometheus.io/scrape".to_string(), "true".to_string()),
+        ("prometheus.io/port".to_string(), port.to_string()),
+        ("prometheus.io/path".to_string(), "/metrics".to_string()),
+    ])
+}
+
+/// An environment variable read from a Secret key.
+pub(crate) fn env_from_secret(name: &str, secret: &crate::crd::SecretKeyRef) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.name.clone(),
+                key: secret.key.clone(),
+                optional: Some(false),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A probe GETting `/healthz` on the named container port.
+pub(crate) fn healthz_probe(port: &str, period: i32, initial_delay: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some("/healthz".to_string()),
+            port: IntOrString::String(port.to_string()),
+            scheme: Some("HTTP".to_string()),
+            ..Default::default()
+        }),
+        initial_delay_seconds: (initial_delay > 0).then_some(initial_delay),
+        period_seconds: Some(period),
+        timeout_seconds: Some(2),
+        failure_threshold: Some(3),
+        ..Default::default()
+    }
+}
+
+/// A named TCP container port.
+pub(crate) fn container_port(name: &str, number: i32) -> ContainerPort {
+    ContainerPort {
+        name: Some(name.to_string()),
+        container_port: number,
+        protocol: Some("TCP".to_string()),
+        ..Default::default()
+    }
+}
+
 /// A stable 64-bit FNV-1a hash, hex-encoded (for the spec-hash annotation; stable across builds,
 /// unlike `DefaultHasher`).
 pub(crate) fn stable_hash(bytes: &[u8]) -> String {
@@ -168,7 +231,13 @@ pub(crate) fn stable_hash(bytes: &[u8]) -> String {
 pub(crate) mod testing {
     //! A cluster as the API server would return it (namespace and uid set), for render tests.
 
-    use crate::crd::{GpuSpec, WorkerGroupSpec, WrkCluster, WrkClusterSpec};
+    use crate::crd::{AuthSpec, GpuSpec, WorkerGroupSpec, WrkCluster, WrkClusterSpec};
+
+    /// Auth from `secret` with the default keys.
+    pub fn auth(secret: &str) -> AuthSpec {
+        serde_json::from_value(serde_json::json!({ "secretName": secret }))
+            .unwrap_or_else(|e| panic!("auth spec: {e}"))
+    }
 
     pub fn group(name: &str, replicas: u32, resource: &str) -> WorkerGroupSpec {
         WorkerGroupSpec {
@@ -198,6 +267,7 @@ pub(crate) mod testing {
                 scheduler: Default::default(),
                 worker_groups: groups,
                 idle_timeout_seconds: None,
+                auth: None,
             },
         );
         cluster.metadata.namespace = Some("data".to_string());

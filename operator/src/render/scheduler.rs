@@ -1,18 +1,21 @@
 //! The scheduler: a one-replica Deployment (recreated, never two at once: it holds the cluster's
 //! state) and a Service with its ports. Placed by default with a *preferred* affinity for nodes
-//! labelled `dedicated=scheduler` (seed 002: the scheduler needs no large GPU node).
+//! labelled `dedicated=scheduler` (seed 002: the scheduler needs no large GPU node). Probes GET
+//! `/healthz` on its HTTP port; with `auth`, it reads its tenants file from the cluster's Secret
+//! and the worker token from the same Secret's key.
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
-    Affinity, Container, ContainerPort, NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm,
-    PodSpec, PodTemplateSpec, PreferredSchedulingTerm, Probe, SecurityContext, Service,
-    ServicePort, ServiceSpec, TCPSocketAction, Toleration,
+    Affinity, Container, KeyToPath, NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm,
+    PodSpec, PodTemplateSpec, PreferredSchedulingTerm, SecretVolumeSource, SecurityContext,
+    Service, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::{
-    DASHBOARD_PORT, GRPC_PORT, METRICS_PORT, Owner, common_labels, component_selector,
+    AUTH_DIR, DASHBOARD_PORT, GRPC_PORT, METRICS_PORT, Owner, TENANTS_FILE, common_labels,
+    component_selector, container_port, env_from_secret, healthz_probe, prometheus_annotations,
     resources_with_defaults, scheduler_name, tolerations,
 };
 use crate::Error;
@@ -46,45 +49,56 @@ pub fn default_affinity() -> Affinity {
     }
 }
 
-fn tcp_probe(port: &str, period: i32) -> Probe {
-    Probe {
-        tcp_socket: Some(TCPSocketAction {
-            port: IntOrString::String(port.to_string()),
-            ..Default::default()
-        }),
-        period_seconds: Some(period),
-        failure_threshold: Some(3),
-        ..Default::default()
-    }
-}
-
-fn port(name: &str, number: i32) -> ContainerPort {
-    ContainerPort {
-        name: Some(name.to_string()),
-        container_port: number,
-        protocol: Some("TCP".to_string()),
-        ..Default::default()
-    }
-}
-
 /// The scheduler Deployment of a cluster.
 pub fn deployment(cluster: &WrkCluster) -> Result<Deployment, Error> {
     let owner = Owner::of(cluster)?;
     let spec = &cluster.spec.scheduler;
     let labels = common_labels(&owner.name, COMPONENT);
+    let mut args = vec![
+        "scheduler".to_string(),
+        "--listen".to_string(),
+        format!("0.0.0.0:{GRPC_PORT}"),
+        "--http-listen".to_string(),
+        format!("0.0.0.0:{DASHBOARD_PORT}"),
+    ];
+    let mut env = Vec::new();
+    let mut mounts = Vec::new();
+    let mut volumes = Vec::new();
+    if let Some(auth) = &cluster.spec.auth {
+        args.push("--tenants".to_string());
+        args.push(format!("{AUTH_DIR}/{TENANTS_FILE}"));
+        env.push(env_from_secret("WRK_WORKER_TOKEN", &auth.worker_token()));
+        volumes.push(Volume {
+            name: "auth".to_string(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(auth.secret_name.clone()),
+                items: Some(vec![KeyToPath {
+                    key: auth.tenants_key.clone(),
+                    path: TENANTS_FILE.to_string(),
+                    ..Default::default()
+                }]),
+                default_mode: Some(0o400),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        mounts.push(VolumeMount {
+            name: "auth".to_string(),
+            mount_path: AUTH_DIR.to_string(),
+            read_only: Some(true),
+            ..Default::default()
+        });
+    }
     let container = Container {
         name: COMPONENT.to_string(),
         image: Some(cluster.spec.image.clone()),
         image_pull_policy: cluster.spec.image_pull_policy.clone(),
-        args: Some(vec![
-            "scheduler".to_string(),
-            "--listen".to_string(),
-            format!("0.0.0.0:{GRPC_PORT}"),
-        ]),
+        args: Some(args),
+        env: (!env.is_empty()).then_some(env),
+        // One HTTP listener serves the dashboard, /metrics and /healthz.
         ports: Some(vec![
-            port("grpc", GRPC_PORT),
-            port("dashboard", DASHBOARD_PORT),
-            port("metrics", METRICS_PORT),
+            container_port("grpc", GRPC_PORT),
+            container_port("http", DASHBOARD_PORT),
         ]),
         resources: Some(resources_with_defaults(
             spec.resources.as_ref(),
@@ -92,13 +106,9 @@ pub fn deployment(cluster: &WrkCluster) -> Result<Deployment, Error> {
             "1Gi",
             &[],
         )),
-        // The gRPC listener is the endpoint the scheduler serves today: it accepts connections
-        // once the scheduler is up.
-        readiness_probe: Some(tcp_probe("grpc", 5)),
-        liveness_probe: Some(Probe {
-            initial_delay_seconds: Some(10),
-            ..tcp_probe("grpc", 10)
-        }),
+        readiness_probe: Some(healthz_probe("http", 5, 0)),
+        liveness_probe: Some(healthz_probe("http", 10, 10)),
+        volume_mounts: (!mounts.is_empty()).then_some(mounts),
         security_context: Some(restricted_security_context()),
         ..Default::default()
     };
@@ -124,10 +134,12 @@ pub fn deployment(cluster: &WrkCluster) -> Result<Deployment, Error> {
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels),
+                    annotations: Some(prometheus_annotations(DASHBOARD_PORT)),
                     ..Default::default()
                 }),
                 spec: Some(PodSpec {
                     containers: vec![container],
+                    volumes: (!volumes.is_empty()).then_some(volumes),
                     node_selector: spec.node_selector.clone(),
                     affinity: Some(spec.affinity.clone().unwrap_or_else(default_affinity)),
                     tolerations: Some(tolerations(toleration, spec.tolerations.as_ref())),
@@ -157,29 +169,33 @@ pub(crate) fn restricted_security_context() -> SecurityContext {
     }
 }
 
-/// The scheduler Service: gRPC for workers and clients, plus the dashboard and metrics ports.
+/// The scheduler Service: gRPC for workers and clients, the dashboard, and the metrics port (the
+/// same HTTP listener as the dashboard, named `metrics` for service monitors), with Prometheus'
+/// scrape annotations.
 pub fn service(cluster: &WrkCluster) -> Result<Service, Error> {
     let owner = Owner::of(cluster)?;
-    let service_port = |name: &str, number: i32| ServicePort {
+    let service_port = |name: &str, number: i32, target: &str| ServicePort {
         name: Some(name.to_string()),
         port: number,
-        target_port: Some(IntOrString::String(name.to_string())),
+        target_port: Some(IntOrString::String(target.to_string())),
         // Server-side apply (1.20 at least) rejects Service ports without a protocol.
         protocol: Some("TCP".to_string()),
         ..Default::default()
     };
+    let mut metadata = owner.meta(
+        scheduler_name(&owner.name),
+        common_labels(&owner.name, COMPONENT),
+    );
+    metadata.annotations = Some(prometheus_annotations(METRICS_PORT));
     Ok(Service {
-        metadata: owner.meta(
-            scheduler_name(&owner.name),
-            common_labels(&owner.name, COMPONENT),
-        ),
+        metadata,
         spec: Some(ServiceSpec {
             type_: Some(cluster.spec.scheduler.service_type.as_str().to_string()),
             selector: Some(component_selector(&owner.name, COMPONENT)),
             ports: Some(vec![
-                service_port("grpc", GRPC_PORT),
-                service_port("dashboard", DASHBOARD_PORT),
-                service_port("metrics", METRICS_PORT),
+                service_port("grpc", GRPC_PORT, "grpc"),
+                service_port("dashboard", DASHBOARD_PORT, "http"),
+                service_port("metrics", METRICS_PORT, "http"),
             ]),
             ..Default::default()
         }),
@@ -206,19 +222,74 @@ mod tests {
         let c = &pod.containers[0];
         assert_eq!(
             c.args.as_ref().unwrap(),
-            &["scheduler", "--listen", "0.0.0.0:7070"]
+            &[
+                "scheduler",
+                "--listen",
+                "0.0.0.0:7070",
+                "--http-listen",
+                "0.0.0.0:8787"
+            ]
         );
         assert_eq!(c.image.as_deref(), Some("example.org/wrk:0.1.0"));
-        let probe = c
-            .readiness_probe
+        for probe in [&c.readiness_probe, &c.liveness_probe] {
+            let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+            assert_eq!(get.path.as_deref(), Some("/healthz"));
+            assert_eq!(get.port, IntOrString::String("http".into()));
+        }
+        let http = c
+            .ports
             .as_ref()
             .unwrap()
-            .tcp_socket
-            .as_ref()
+            .iter()
+            .find(|p| p.name.as_deref() == Some("http"))
             .unwrap();
-        assert_eq!(probe.port, IntOrString::String("grpc".into()));
+        assert_eq!(http.container_port, 8787);
+        let annotations = d.spec.template.metadata.unwrap().annotations.unwrap();
+        assert_eq!(annotations["prometheus.io/scrape"], "true");
+        assert_eq!(annotations["prometheus.io/port"], "8787");
+        assert_eq!(annotations["prometheus.io/path"], "/metrics");
+        assert!(
+            c.env.is_none() && pod.volumes.is_none(),
+            "no auth, no secrets"
+        );
         assert_eq!(d.spec.replicas, Some(1));
         assert_eq!(d.spec.strategy.unwrap().type_.as_deref(), Some("Recreate"));
+    }
+
+    #[test]
+    fn auth_mounts_the_tenants_file_and_reads_the_worker_token_from_the_secret() {
+        let mut cluster = testing::cluster(vec![]);
+        cluster.spec.auth = Some(testing::auth("demo-tokens"));
+        let d = deployment(&cluster).unwrap();
+        let pod = d.spec.template.spec.unwrap();
+        let c = &pod.containers[0];
+        let args = c.args.as_ref().unwrap();
+        let tenants = args.iter().position(|a| a == "--tenants").unwrap();
+        assert_eq!(args[tenants + 1], "/etc/wrk/auth/tenants.toml");
+        let env = &c.env.as_ref().unwrap()[0];
+        assert_eq!(env.name, "WRK_WORKER_TOKEN");
+        let key = env
+            .value_from
+            .as_ref()
+            .unwrap()
+            .secret_key_ref
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (key.name.as_str(), key.key.as_str()),
+            ("demo-tokens", "worker-token")
+        );
+        let volume = &pod.volumes.unwrap()[0];
+        let secret = volume.secret.as_ref().unwrap();
+        assert_eq!(secret.secret_name.as_deref(), Some("demo-tokens"));
+        let item = &secret.items.as_ref().unwrap()[0];
+        assert_eq!(
+            (item.key.as_str(), item.path.as_str()),
+            ("tenants.toml", "tenants.toml")
+        );
+        let mount = &c.volume_mounts.as_ref().unwrap()[0];
+        assert_eq!(mount.mount_path, "/etc/wrk/auth");
+        assert_eq!(mount.name, volume.name);
     }
 
     #[test]
@@ -273,7 +344,29 @@ mod tests {
         let ports = spec.ports.unwrap();
         assert_eq!(ports.len(), 3);
         assert!(ports.iter().all(|p| p.protocol.as_deref() == Some("TCP")));
-        assert_eq!(ports[0].port, 7070);
+        let named: Vec<(&str, i32, IntOrString)> = ports
+            .iter()
+            .map(|p| {
+                (
+                    p.name.as_deref().unwrap(),
+                    p.port,
+                    p.target_port.clone().unwrap(),
+                )
+            })
+            .collect();
+        let by_name = |n: &str| IntOrString::String(n.to_string());
+        assert_eq!(
+            named,
+            [
+                ("grpc", 7070, by_name("grpc")),
+                ("dashboard", 8787, by_name("http")),
+                ("metrics", 9090, by_name("http")),
+            ]
+        );
+        assert_eq!(
+            s.metadata.annotations.unwrap()["prometheus.io/port"],
+            "9090"
+        );
         assert_eq!(
             spec.selector.unwrap()["app.kubernetes.io/component"],
             "scheduler"

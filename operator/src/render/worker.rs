@@ -1,20 +1,21 @@
 //! Worker pods: one pod per worker, each requesting exactly one GPU (`nvidia.com/gpu`) or one MIG
 //! slice, with the worker's flags and environment derived from the pod's limits (seed 000: the
-//! worker's memory limit matches the container's, and its pool leaves headroom below it).
+//! worker's memory limit matches the container's, and its pool leaves headroom below it). Each
+//! serves `/metrics` and `/healthz` on its metrics port (probed, and annotated for Prometheus)
+//! and, with `auth`, presents the worker token from the cluster's Secret.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Affinity, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    ObjectFieldSelector, Pod, PodSpec, Probe, TCPSocketAction, Toleration,
-    TopologySpreadConstraint, Volume, VolumeMount,
+    Affinity, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, ObjectFieldSelector, Pod,
+    PodSpec, Toleration, TopologySpreadConstraint, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::scheduler::restricted_security_context;
 use super::{
-    ANNOTATION_SPEC_HASH, LABEL_GROUP, Owner, WORKER_DATA_PORT, common_labels,
+    ANNOTATION_SPEC_HASH, LABEL_GROUP, METRICS_PORT, Owner, WORKER_DATA_PORT, common_labels,
+    container_port, env_from_secret, healthz_probe, prometheus_annotations,
     resources_with_defaults, scheduler_address, stable_hash, tolerations, worker_pod_name,
 };
 use crate::Error;
@@ -103,6 +104,22 @@ pub fn pod(cluster: &WrkCluster, group: &WorkerGroupSpec, index: u32) -> Result<
         DEFAULT_MEMORY,
         &[(group.gpu.resource.as_str(), "1")],
     );
+    let mut env = vec![
+        env_field("WRK_WORKER_ID", "metadata.name"),
+        env_field("WRK_ADVERTISE_HOST", "status.podIP"),
+        // For the worker to adopt (its command line has no such flags yet): the limit the
+        // kubelet enforces, the pool inside it, the device and the shuffle transport.
+        env(
+            "WRK_MEMORY_LIMIT_BYTES",
+            size.memory_limit_bytes.to_string(),
+        ),
+        env("WRK_POOL_BYTES", size.pool_bytes.to_string()),
+        env("WRK_DEVICE", "cuda"),
+        env("WRK_TRANSPORT", group.transport.as_str()),
+    ];
+    if let Some(auth) = &cluster.spec.auth {
+        env.push(env_from_secret("WRK_WORKER_TOKEN", &auth.worker_token()));
+    }
     let container = Container {
         name: COMPONENT.to_string(),
         image: Some(cluster.spec.image.clone()),
@@ -122,38 +139,21 @@ pub fn pod(cluster: &WrkCluster, group: &WorkerGroupSpec, index: u32) -> Result<
                 &size.slots.to_string(),
                 "--cache-dir",
                 CACHE_DIR,
+                "--metrics-listen",
+                &format!("0.0.0.0:{METRICS_PORT}"),
             ]
             .map(String::from)
             .to_vec(),
         ),
-        env: Some(vec![
-            env_field("WRK_WORKER_ID", "metadata.name"),
-            env_field("WRK_ADVERTISE_HOST", "status.podIP"),
-            // For the worker to adopt (its command line has no such flags yet): the limit the
-            // kubelet enforces, the pool inside it, the device and the shuffle transport.
-            env(
-                "WRK_MEMORY_LIMIT_BYTES",
-                size.memory_limit_bytes.to_string(),
-            ),
-            env("WRK_POOL_BYTES", size.pool_bytes.to_string()),
-            env("WRK_DEVICE", "cuda"),
-            env("WRK_TRANSPORT", group.transport.as_str()),
+        env: Some(env),
+        ports: Some(vec![
+            container_port("data", WORKER_DATA_PORT),
+            container_port("metrics", METRICS_PORT),
         ]),
-        ports: Some(vec![ContainerPort {
-            name: Some("data".to_string()),
-            container_port: WORKER_DATA_PORT,
-            protocol: Some("TCP".to_string()),
-            ..Default::default()
-        }]),
         resources: Some(resources),
-        readiness_probe: Some(Probe {
-            tcp_socket: Some(TCPSocketAction {
-                port: IntOrString::String("data".to_string()),
-                ..Default::default()
-            }),
-            period_seconds: Some(5),
-            ..Default::default()
-        }),
+        // The worker's HTTP listener: up once the worker runs.
+        readiness_probe: Some(healthz_probe("metrics", 5, 0)),
+        liveness_probe: Some(healthz_probe("metrics", 10, 10)),
         volume_mounts: Some(vec![VolumeMount {
             name: "cache".to_string(),
             mount_path: CACHE_DIR.to_string(),
@@ -203,7 +203,9 @@ pub fn pod(cluster: &WrkCluster, group: &WorkerGroupSpec, index: u32) -> Result<
     };
     let hash = stable_hash(&serde_json::to_vec(&spec)?);
     let mut metadata = owner.meta(worker_pod_name(&owner.name, &group.name, index), labels);
-    metadata.annotations = Some(BTreeMap::from([(ANNOTATION_SPEC_HASH.to_string(), hash)]));
+    let mut annotations = prometheus_annotations(METRICS_PORT);
+    annotations.insert(ANNOTATION_SPEC_HASH.to_string(), hash);
+    metadata.annotations = Some(annotations);
     Ok(Pod {
         metadata,
         spec: Some(spec),
@@ -218,6 +220,7 @@ mod tests {
     use crate::render::testing;
     use k8s_openapi::api::core::v1::ResourceRequirements;
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
     fn container(p: &Pod) -> &Container {
         &p.spec.as_ref().unwrap().containers[0]
@@ -282,6 +285,7 @@ mod tests {
         assert_eq!(flag("--listen"), "0.0.0.0:7071");
         assert_eq!(flag("--slots"), "6");
         assert_eq!(flag("--id"), "$(WRK_WORKER_ID)");
+        assert_eq!(flag("--metrics-listen"), "0.0.0.0:9090");
         assert_eq!(env_value(&p, "WRK_MEMORY_LIMIT_BYTES"), Some("17179869184"));
         assert_eq!(env_value(&p, "WRK_POOL_BYTES"), Some("12884901888"));
         assert_eq!(env_value(&p, "WRK_TRANSPORT"), Some("ucx"));
@@ -310,6 +314,65 @@ mod tests {
             .clone()
             .unwrap();
         assert_eq!(quantity::bytes(&limits["memory"].0).unwrap(), 17179869184);
+    }
+
+    #[test]
+    fn probes_and_scrape_annotations_use_the_metrics_port() {
+        let g = testing::group("a100", 1, "nvidia.com/gpu");
+        let p = pod(&testing::cluster(vec![g.clone()]), &g, 0).unwrap();
+        let c = container(&p);
+        let ports: Vec<(&str, i32)> = c
+            .ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|p| (p.name.as_deref().unwrap(), p.container_port))
+            .collect();
+        assert_eq!(ports, [("data", 7071), ("metrics", 9090)]);
+        for probe in [&c.readiness_probe, &c.liveness_probe] {
+            let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+            assert_eq!(get.path.as_deref(), Some("/healthz"));
+            assert_eq!(get.port, IntOrString::String("metrics".into()));
+        }
+        let annotations = p.metadata.annotations.as_ref().unwrap();
+        assert_eq!(annotations["prometheus.io/scrape"], "true");
+        assert_eq!(annotations["prometheus.io/port"], "9090");
+        assert!(
+            !c.env
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|e| e.name == "WRK_WORKER_TOKEN")
+        );
+    }
+
+    #[test]
+    fn auth_gives_workers_the_worker_token_from_the_secret() {
+        let g = testing::group("a100", 1, "nvidia.com/gpu");
+        let mut cluster = testing::cluster(vec![g.clone()]);
+        let mut auth = testing::auth("demo-tokens");
+        auth.worker_token_key = "workers".to_string();
+        cluster.spec.auth = Some(auth);
+        let p = pod(&cluster, &g, 0).unwrap();
+        let token = container(&p)
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|e| e.name == "WRK_WORKER_TOKEN")
+            .unwrap();
+        assert!(token.value.is_none(), "never the token itself");
+        let key = token
+            .value_from
+            .as_ref()
+            .unwrap()
+            .secret_key_ref
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (key.name.as_str(), key.key.as_str()),
+            ("demo-tokens", "workers")
+        );
     }
 
     #[test]
