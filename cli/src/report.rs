@@ -124,6 +124,7 @@ fn embedded_data(timeline: &JobTimeline) -> Result<String> {
         "duration_us": timeline.duration_us,
         "stages": timeline.stages.iter().map(|s| &s.name).collect::<Vec<_>>(),
         "workers": timeline.workers.iter().map(|w| &w.worker_id).collect::<Vec<_>>(),
+        "slots": timeline.workers.iter().map(|w| w.slots).collect::<Vec<_>>(),
         "tasks": tasks,
         "sampled_every": step,
         "transfers": timeline
@@ -265,9 +266,9 @@ pub fn render(timeline: &JobTimeline) -> Result<String> {
          by stage; failed attempts in red</small></h2><div class=\"legend\" id=\"legend\"></div>\
          <div class=\"canvas-box\"><canvas id=\"stream\" height=\"60\"></canvas></div>\
          <p class=\"muted\" id=\"stream-note\"></p></section>\n\
-         <section><h2>Throughput <small>tasks finished per second, by stage</small></h2>\
-         <div class=\"legend\" id=\"throughput-legend\"></div>\
-         <canvas id=\"throughput\" height=\"140\"></canvas></section>"
+         <section><h2>Progress <small>tasks finished over time, by stage</small></h2>\
+         <div class=\"legend\" id=\"progress-legend\"></div>\
+         <canvas id=\"progress\" height=\"140\"></canvas></section>"
     );
 
     // Workers.

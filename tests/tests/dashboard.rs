@@ -106,8 +106,8 @@ fn api(http: &str, path: &str) -> serde_json::Value {
 #[test]
 fn dashboard_and_report_show_the_job_that_just_ran() {
     let _ = guest("taxi-haversine");
-    // Three files: three `distance` tasks over two workers, then one `summary` reading them all.
-    let data = taxi_dataset(60_000, 3, 10_000);
+    // Six files: six `distance` tasks over two workers, then one `summary` reading them all.
+    let data = taxi_dataset(120_000, 6, 10_000);
     let mut processes = Processes(Vec::new());
     let scheduler = start_scheduler(&mut processes, &[], &[]);
     let (url, http) = (scheduler.url.clone(), scheduler.http.clone());
@@ -147,7 +147,7 @@ fn dashboard_and_report_show_the_job_that_just_ran() {
     assert!(run.status.success(), "wrk submit failed: {stderr}");
     assert!(stderr.contains("wrote the performance report"), "{stderr}");
 
-    // The JSON endpoints: the job's four task executions, on the two workers.
+    // The JSON endpoints: the job's seven task executions, on the two workers.
     let tasks = api(&http, "/api/tasks");
     let items = tasks["items"].as_array().expect("items");
     let job: Vec<&serde_json::Value> = items.iter().filter(|t| t["job"] == "job-000001").collect();
@@ -160,7 +160,7 @@ fn dashboard_and_report_show_the_job_that_just_ran() {
     }
     assert_eq!(
         by_stage,
-        BTreeMap::from([("distance", 3), ("summary", 1)]),
+        BTreeMap::from([("distance", 6), ("summary", 1)]),
         "{tasks}"
     );
     let ran_on: BTreeSet<&str> = job.iter().map(|t| t["worker"].as_str().unwrap()).collect();
@@ -256,8 +256,8 @@ fn dashboard_and_report_show_the_job_that_just_ran() {
     );
     assert_eq!(
         dom.matches("data-task=\"job-000001/distance/").count(),
-        3,
-        "the three distance tasks in the recent tasks"
+        6,
+        "the six distance tasks in the recent tasks"
     );
     assert!(dom.contains("data-task=\"job-000001/summary/0\""));
     assert_eq!(
@@ -283,11 +283,11 @@ fn dashboard_and_report_show_the_job_that_just_ran() {
     );
     assert_eq!(
         attribute(dom, "stream", "data-drawn"),
-        Some(4),
-        "the report draws the job's four task attempts"
+        Some(7),
+        "the report draws the job's seven task attempts"
     );
     assert!(
-        dom.contains("<tr data-stage=\"distance\"><td>distance</td><td class=\"num\">3/3</td>"),
+        dom.contains("<tr data-stage=\"distance\"><td>distance</td><td class=\"num\">6/6</td>"),
         "{dom}"
     );
     assert!(

@@ -53,6 +53,23 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
         "bool",
         "inf",
     ];
+    // Aggregations may take their grouping before their argument (`sum by (x) (...)`).
+    const AGGREGATIONS: [&str; 14] = [
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "group",
+        "stddev",
+        "stdvar",
+        "count",
+        "count_values",
+        "bottomk",
+        "topk",
+        "quantile",
+        "limitk",
+        "limit_ratio",
+    ];
     const GROUPING: [&str; 6] = [
         "by",
         "without",
@@ -100,7 +117,10 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
                 while i < chars.len() && chars[i] != ')' {
                     i += 1;
                 }
-            } else if !called && !KEYWORDS.contains(&word.to_lowercase().as_str()) {
+            } else if !called
+                && !KEYWORDS.contains(&word.to_lowercase().as_str())
+                && !AGGREGATIONS.contains(&word.as_str())
+            {
                 names.insert(word);
             }
         } else if c.is_ascii_digit() {

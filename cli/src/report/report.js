@@ -31,6 +31,7 @@
     var canvas = $("stream");
     stream = T.drawStream(canvas, {
       lanes: data.workers,
+      slots: data.slots,
       tasks: tasks,
       from: 0,
       to: end,
@@ -39,34 +40,39 @@
     canvas.setAttribute("data-drawn", String(stream.drawn));
   }
 
-  function drawThroughput() {
-    var bins = 60;
-    var binSeconds = end / 1e6 / bins;
+  /** Tasks finished over time, by stage: each stage's curve climbs to its task count. */
+  function drawProgress() {
     var series = stages.map(function (name) {
-      var done = tasks.filter(function (t) {
-        return t.ok && t.stage === name;
-      });
-      return {
-        name: name,
-        color: T.stageColor(name),
-        points: T.bin(done, function (t) {
+      var ends = tasks
+        .filter(function (t) {
+          return t.ok && t.stage === name;
+        })
+        .map(function (t) {
           return t.end;
-        }, function () {
-          return data.sampled_every / binSeconds;
-        }, 0, end, bins),
-      };
+        })
+        .sort(function (a, b) {
+          return a - b;
+        });
+      var points = [[0, 0]];
+      ends.forEach(function (t, i) {
+        points.push([t, (i + 1) * data.sampled_every]);
+      });
+      if (ends.length) points.push([end, ends.length * data.sampled_every]);
+      return { name: name, color: T.stageColor(name), points: points };
     });
-    var drawn = T.drawSeries($("throughput"), {
+    var drawn = T.drawSeries($("progress"), {
       series: series,
       from: 0,
       to: end,
       height: 140,
       yLabel: function (v) {
-        return v.toFixed(v < 10 ? 1 : 0) + "/s";
+        return String(Math.round(v));
       },
       tickLabel: since,
+      steps: true,
+      empty: "no task finished",
     });
-    $("throughput").setAttribute("data-drawn", String(drawn));
+    $("progress").setAttribute("data-drawn", String(drawn));
   }
 
   function drawMemory() {
@@ -87,6 +93,7 @@
       height: 160,
       yLabel: T.formatBytes,
       tickLabel: since,
+      empty: "no memory samples",
     });
     $("memory").setAttribute("data-drawn", String(drawn));
     $("memory-legend").innerHTML = series
@@ -116,15 +123,16 @@
         return T.formatBytes(v) + "/s";
       },
       tickLabel: since,
+      empty: "no transfers: every task read its inputs where they were",
     });
     $("transfer-chart").setAttribute("data-drawn", String(drawn));
   }
 
   function draw() {
     $("legend").innerHTML = T.legendHtml(stages);
-    $("throughput-legend").innerHTML = T.legendHtml(stages);
+    $("progress-legend").innerHTML = T.legendHtml(stages, true);
     drawStream();
-    drawThroughput();
+    drawProgress();
     drawMemory();
     drawTransfers();
     $("stream-note").textContent =

@@ -126,9 +126,17 @@
       });
     });
     $("legend").innerHTML = stages.length ? T.legendHtml(stages) : '<span class="empty">no task ended in this window</span>';
+    var slotsOf = new Map();
+    s.workers.forEach(function (w) {
+      slotsOf.set(w.id, w.slots);
+    });
+    var slots = names.map(function (name) {
+      return slotsOf.get(name) || 0;
+    });
     var canvas = $("stream");
     s.stream = T.drawStream(canvas, {
       lanes: names,
+      slots: slots,
       tasks: tasks,
       from: from,
       to: now,

@@ -88,22 +88,78 @@ var WrkTimeline = (function () {
       ctx.moveTo(px, top);
       ctx.lineTo(px, top + 4);
       ctx.stroke();
-      ctx.fillText(label(t), px + 2, top + 14);
+      var text = label(t);
+      if (px + 2 + ctx.measureText(text).width <= right + 6) ctx.fillText(text, px + 2, top + 14);
     }
   }
 
   /**
-   * Draws a task stream. `opts`: `lanes` (worker names), `tasks` (objects with `lane`, `start`,
-   * `end` in microseconds, `stage` name and `ok`), the window `from`..`to` and `tickLabel(t)`.
-   * Returns `hit(x, y)`, the task under a point in CSS pixels of the canvas (or null), and
-   * `drawn`, the number of bars drawn.
+   * Rows within each lane so that overlapping attempts (a worker runs several at once) do not
+   * hide each other: attempts go, by start time, to the first row free by then, up to
+   * `maxRows[lane]` rows (the worker's slots; 16 when not given). Returns the number of rows of
+   * each lane and sets `row` on each task.
+   */
+  function assignRows(laneCount, tasks, maxRows) {
+    var ends = [];
+    for (var l = 0; l < laneCount; l++) ends.push([]);
+    var order = tasks.slice().sort(function (a, b) {
+      return a.start - b.start;
+    });
+    // Ends are when the scheduler heard of them, a little after the worker's: tolerate overlaps
+    // that short rather than open a row for them.
+    var jitter = 2000;
+    order.forEach(function (task) {
+      var rows = ends[task.lane];
+      var row = -1;
+      for (var r = 0; r < rows.length; r++) {
+        if (rows[r] <= task.start + jitter) {
+          row = r;
+          break;
+        }
+      }
+      var limit = (maxRows && maxRows[task.lane]) || 16;
+      if (row < 0 && rows.length < limit) {
+        row = rows.length;
+        rows.push(0);
+      }
+      if (row < 0) {
+        // More at once than the worker runs (ends are when the scheduler heard of them): share
+        // the row that frees up first.
+        row = 0;
+        for (var e = 1; e < rows.length; e++) if (rows[e] < rows[row]) row = e;
+      }
+      rows[row] = Math.max(rows[row], task.end);
+      task.row = row;
+    });
+    return ends.map(function (rows) {
+      return Math.max(1, rows.length);
+    });
+  }
+
+  /**
+   * Draws a task stream. `opts`: `lanes` (worker names), `slots` (tasks each lane's worker runs
+   * at once, optional), `tasks` (objects with `lane`, `start`, `end` in microseconds, `stage`
+   * name and `ok`), the window `from`..`to` and `tickLabel(t)`.
+   * A worker running several attempts at once gets a row for each. Returns `hit(x, y)`, the
+   * task under a point in CSS pixels of the canvas (or null), and `drawn`, the number of bars
+   * drawn.
    */
   function drawStream(canvas, opts) {
     var lanes = opts.lanes;
-    var laneHeight = Math.max(2, Math.min(22, Math.floor(480 / Math.max(1, lanes.length))));
-    var label = laneHeight >= 9 ? 110 : 0;
+    var visible = opts.tasks.filter(function (task) {
+      return task.lane >= 0 && task.lane < lanes.length && task.end >= opts.from && task.start <= opts.to;
+    });
+    var rows = assignRows(lanes.length, visible, opts.slots);
+    var firstRow = [];
+    var totalRows = 0;
+    rows.forEach(function (count) {
+      firstRow.push(totalRows);
+      totalRows += count;
+    });
+    var rowHeight = Math.max(2, Math.min(18, Math.floor(480 / Math.max(1, totalRows))));
+    var label = rowHeight >= 9 || lanes.length <= 40 ? 110 : 0;
     var axis = 20;
-    var g = setup(canvas, lanes.length * laneHeight + axis + 2);
+    var g = setup(canvas, totalRows * rowHeight + axis + 2);
     var ctx = g.ctx;
     var left = label;
     var right = g.width - 6;
@@ -112,25 +168,24 @@ var WrkTimeline = (function () {
       return left + ((t - opts.from) / span) * (right - left);
     };
     for (var l = 0; l < lanes.length; l++) {
+      var top = firstRow[l] * rowHeight;
       if (l % 2 === 1) {
         ctx.fillStyle = "#f3f5f8";
-        ctx.fillRect(left, l * laneHeight, right - left, laneHeight);
+        ctx.fillRect(left, top, right - left, rows[l] * rowHeight);
       }
-      if (label) {
+      if (label && rowHeight * rows[l] >= 9) {
         ctx.fillStyle = "#1d2330";
         ctx.fillText(lanes[l].length > 17 ? lanes[l].slice(0, 16) + "…" : lanes[l], 2,
-          l * laneHeight + laneHeight / 2 + 4);
+          top + Math.min(rows[l] * rowHeight, 18) / 2 + 4);
       }
     }
     var boxes = [];
-    var pad = laneHeight >= 6 ? 1 : 0;
-    for (var i = 0; i < opts.tasks.length; i++) {
-      var task = opts.tasks[i];
-      if (task.end < opts.from || task.start > opts.to || task.lane < 0) continue;
+    var pad = rowHeight >= 6 ? 1 : 0;
+    visible.forEach(function (task) {
       var x0 = Math.max(left, x(task.start));
       var x1 = Math.min(right, Math.max(x0 + 1, x(task.end)));
-      var y0 = task.lane * laneHeight + pad;
-      var h = laneHeight - 2 * pad;
+      var y0 = (firstRow[task.lane] + task.row) * rowHeight + pad;
+      var h = rowHeight - 2 * pad;
       ctx.fillStyle = task.ok ? stageColor(task.stage) : FAILED;
       ctx.fillRect(x0, y0, x1 - x0, h);
       if (x1 - x0 > 3 && h > 4) {
@@ -138,8 +193,8 @@ var WrkTimeline = (function () {
         ctx.strokeRect(x0 + 0.5, y0 + 0.5, x1 - x0 - 1, h - 1);
       }
       boxes.push([x0, y0, x1, y0 + h, task]);
-    }
-    drawAxis(ctx, x, opts.from, opts.to, lanes.length * laneHeight + 1, left, right, opts.tickLabel);
+    });
+    drawAxis(ctx, x, opts.from, opts.to, totalRows * rowHeight + 1, left, right, opts.tickLabel);
     return {
       drawn: boxes.length,
       hit: function (px, py) {
@@ -154,8 +209,9 @@ var WrkTimeline = (function () {
 
   /**
    * Draws time series as lines. `opts`: `series` (objects with `name`, `color`, `points` as
-   * `[t, value]` sorted by time), `from`..`to` in microseconds, `height`, `yLabel(v)` and
-   * `tickLabel(t)`. Returns the number of points drawn.
+   * `[t, value]` sorted by time), `from`..`to` in microseconds, `height`, `yLabel(v)`,
+   * `tickLabel(t)`, `steps` (hold each value until the next point) and `empty` (the text shown
+   * without data). Returns the number of points drawn.
    */
   function drawSeries(canvas, opts) {
     var g = setup(canvas, opts.height || 140);
@@ -170,8 +226,12 @@ var WrkTimeline = (function () {
         if (p[0] >= opts.from && p[0] <= opts.to && p[1] > max) max = p[1];
       });
     });
-    if (max <= 0) max = 1;
     var span = Math.max(1, opts.to - opts.from);
+    if (max <= 0) {
+      ctx.fillStyle = "#687085";
+      ctx.fillText(opts.empty || "no data in this window", left, (top + bottom) / 2);
+      return 0;
+    }
     var x = function (t) {
       return left + ((t - opts.from) / span) * (right - left);
     };
@@ -195,14 +255,17 @@ var WrkTimeline = (function () {
       ctx.lineWidth = 1.5;
       ctx.beginPath();
       var started = false;
+      var last = 0;
       s.points.forEach(function (p) {
         if (p[0] < opts.from || p[0] > opts.to) return;
         if (started) {
+          if (opts.steps) ctx.lineTo(x(p[0]), y(last));
           ctx.lineTo(x(p[0]), y(p[1]));
         } else {
           ctx.moveTo(x(p[0]), y(p[1]));
           started = true;
         }
+        last = p[1];
         drawn++;
       });
       ctx.stroke();
@@ -226,14 +289,13 @@ var WrkTimeline = (function () {
     });
   }
 
-  /** A legend of stage colours as HTML. */
-  function legendHtml(stages) {
-    return stages
-      .map(function (name) {
-        return '<span><i style="background:' + stageColor(name) + '"></i>' + escapeHtml(name) + "</span>";
-      })
-      .concat(['<span><i style="background:' + FAILED + '"></i>failed attempt</span>'])
-      .join("");
+  /** A legend of stage colours as HTML, with the colour of failed attempts unless `stagesOnly`. */
+  function legendHtml(stages, stagesOnly) {
+    var items = stages.map(function (name) {
+      return '<span><i style="background:' + stageColor(name) + '"></i>' + escapeHtml(name) + "</span>";
+    });
+    if (!stagesOnly) items.push('<span><i style="background:' + FAILED + '"></i>failed attempt</span>');
+    return items.join("");
   }
 
   return {
