@@ -290,6 +290,10 @@ async fn main() -> Result<()> {
                 .with_context(|| format!("cannot listen on {listen}"))?;
             let http = wrk_cli::local::bind_with_fallback(http_listen).await?;
             eprintln!("wrk scheduler http on {}", http.local_addr()?);
+            tracing::info!(
+                "dashboard on http://{}/ (metrics at /metrics)",
+                http.local_addr()?
+            );
             eprintln!("wrk scheduler listening on {}", listener.local_addr()?);
             let config = SchedulerConfig {
                 heartbeat_interval: Duration::from_millis(heartbeat_ms.max(10)),
