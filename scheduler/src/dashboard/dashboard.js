@@ -308,12 +308,18 @@
   $("stream").addEventListener("mouseleave", function () {
     $("tooltip").style.display = "none";
   });
-  // Between polls the stream slides with the clock.
-  setInterval(function () {
+  // Between polls the stream slides with the clock, as often as drawing it stays cheap (a
+  // thousand workers' tens of thousands of bars take a while).
+  function slide() {
+    var cost = 0;
     if (s.polledAt) {
+      var started = performance.now();
       drawStream();
+      cost = performance.now() - started;
     }
-  }, 250);
+    setTimeout(slide, Math.max(250, 5 * cost));
+  }
+  slide();
   window.addEventListener("resize", function () {
     if (s.polledAt) render();
   });
