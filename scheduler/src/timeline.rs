@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// Executions and transfers kept for the live dashboard (each ring).
-pub const RECENT_RECORDS: usize = 100_000;
+pub const RECENT_RECORDS: usize = 50_000;
 /// Executions (and, separately, transfers) kept per job for its report; more are counted as
 /// dropped.
 pub const JOB_RECORDS: usize = 1_000_000;
