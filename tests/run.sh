@@ -12,6 +12,14 @@ if ! command -v promtool >/dev/null; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
+# Headless Chromium (Debian's chromium package) renders the dashboard and a report in
+# tests/tests/dashboard.rs; without it that test skips its browser checks and says so.
+if ! command -v chromium >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; then
+        echo "tests/run.sh: could not install chromium; the dashboard test will skip its browser checks" >&2
+    fi
+fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --exclude taxi-haversine --exclude noop \

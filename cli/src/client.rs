@@ -1,6 +1,7 @@
 //! Client side of the scheduler API: submit a job, follow its progress with a bar per stage, and
 //! fetch its results straight from the workers that hold them.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -112,6 +113,18 @@ pub async fn run_job(
     spec: JobSpec,
     show_progress: bool,
 ) -> Result<JobOutcome> {
+    run_job_with_report(url, token, spec, show_progress, None).await
+}
+
+/// [`run_job`], writing the job's performance report (see [`crate::report`]) to `report` once
+/// it has ended, succeeded or not.
+pub async fn run_job_with_report(
+    url: &str,
+    token: Option<&str>,
+    spec: JobSpec,
+    show_progress: bool,
+    report: Option<&Path>,
+) -> Result<JobOutcome> {
     let mut client = connect(url, token).await?;
     // Watched from before the submission, so a SIGTERM from then on cancels the job.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
@@ -120,7 +133,10 @@ pub async fn run_job(
     let bars = Bars::new(&spec, show_progress);
     let started = Instant::now();
     let job_id = client
-        .submit_job(SubmitJobRequest { job: Some(spec) })
+        .submit_job(SubmitJobRequest {
+            job: Some(spec),
+            keep_timeline: report.is_some(),
+        })
         .await
         .map_err(|s| anyhow::anyhow!("the scheduler refused job `{name}`: {}", s.message()))?
         .into_inner()
@@ -154,10 +170,28 @@ pub async fn run_job(
     };
     bars.finish();
     let elapsed = started.elapsed();
+    // The scheduler keeps the job's records until the job is released: fetch them first.
+    let written = match report {
+        Some(path) => {
+            let timeline = client
+                .get_job_timeline(job.clone())
+                .await
+                .map_err(|s| {
+                    anyhow::anyhow!(
+                        "cannot get the timeline of job `{name}` for its report: {}",
+                        s.message()
+                    )
+                })?
+                .into_inner();
+            crate::report::write(path, &timeline)?;
+            format!(" (performance report: {})", path.display())
+        }
+        None => String::new(),
+    };
     match last.state() {
         JobState::Succeeded => {}
-        JobState::Cancelled => bail!("job `{name}` ({job_id}) was cancelled"),
-        _ => bail!("job `{name}` ({job_id}) failed: {}", last.error),
+        JobState::Cancelled => bail!("job `{name}` ({job_id}) was cancelled{written}"),
+        _ => bail!("job `{name}` ({job_id}) failed: {}{written}", last.error),
     }
     let result = client.get_job_result(job.clone()).await?.into_inner();
     let peers = PeerClient::new();

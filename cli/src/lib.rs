@@ -5,9 +5,11 @@
 //! - [`local`]: the embedded local cluster.
 //! - [`taxi`]: the deterministic taxi-trip data generator.
 //! - [`output`]: printing and writing results.
+//! - [`report`]: the HTML performance report of `wrk submit --report`.
 
 pub mod client;
 pub mod job;
 pub mod local;
 pub mod output;
+pub mod report;
 pub mod taxi;

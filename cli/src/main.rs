@@ -39,7 +39,7 @@ enum Command {
         /// Where the scheduler listens.
         #[arg(long, default_value = "127.0.0.1:7070")]
         listen: SocketAddr,
-        /// Where the scheduler serves /metrics and /healthz (a free port if taken).
+        /// Where the scheduler serves its dashboard, /metrics and /healthz (a free port if taken).
         #[arg(long, default_value = "127.0.0.1:8787")]
         http_listen: SocketAddr,
     },
@@ -47,7 +47,7 @@ enum Command {
     Scheduler {
         #[arg(long, default_value = "0.0.0.0:7070")]
         listen: SocketAddr,
-        /// Where the scheduler serves /metrics and /healthz (a free port if taken).
+        /// Where the scheduler serves its dashboard, /metrics and /healthz (a free port if taken).
         #[arg(long, default_value = "0.0.0.0:8787")]
         http_listen: SocketAddr,
         /// How often workers heartbeat, in milliseconds.
@@ -163,6 +163,10 @@ struct SubmitArgs {
     /// No progress bars.
     #[arg(long, short)]
     quiet: bool,
+    /// Write a self-contained HTML performance report of the job here (task stream, stage
+    /// durations and throughput, transfers, slowest tasks, worker memory), even if it fails.
+    #[arg(long)]
+    report: Option<PathBuf>,
     /// Your tenant token, for schedulers that require one.
     #[arg(long, env = "WRK_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -292,6 +296,10 @@ async fn main() -> Result<()> {
                 .with_context(|| format!("cannot listen on {listen}"))?;
             let http = wrk_cli::local::bind_with_fallback(http_listen).await?;
             eprintln!("wrk scheduler http on {}", http.local_addr()?);
+            tracing::info!(
+                "dashboard on http://{}/ (metrics at /metrics)",
+                http.local_addr()?
+            );
             eprintln!("wrk scheduler listening on {}", listener.local_addr()?);
             let config = SchedulerConfig {
                 heartbeat_interval: Duration::from_millis(heartbeat_ms.max(10)),
@@ -411,7 +419,14 @@ async fn submit(args: SubmitArgs) -> Result<()> {
             (cluster.scheduler_url.clone(), Some(cluster))
         }
     };
-    let outcome = client::run_job(&url, args.token.as_deref(), spec, !args.quiet).await;
+    let outcome = client::run_job_with_report(
+        &url,
+        args.token.as_deref(),
+        spec,
+        !args.quiet,
+        args.report.as_deref(),
+    )
+    .await;
     if let Some(cluster) = cluster {
         cluster.shutdown().await;
     }
@@ -423,6 +438,9 @@ async fn submit(args: SubmitArgs) -> Result<()> {
         outcome.tasks,
         outcome.tasks as f64 / seconds.max(1e-9)
     );
+    if let Some(path) = &args.report {
+        eprintln!("wrote the performance report to {}", path.display());
+    }
     let Some(batch) = output::combine(&outcome.tables)? else {
         eprintln!("the job returned no tables");
         return Ok(());
@@ -453,7 +471,7 @@ async fn up(cluster: ClusterArgs, listen: SocketAddr, http_listen: SocketAddr) -
         .wait_for_workers(workers, Duration::from_secs(30))
         .await?;
     eprintln!(
-        "wrk local cluster up: scheduler {} with {workers} workers, metrics on {}/metrics; Ctrl-C stops it",
+        "wrk local cluster up: scheduler {} with {workers} workers, dashboard on {}/ (metrics at /metrics); Ctrl-C stops it",
         local.scheduler_url,
         local.http_url.as_deref().unwrap_or("(none)")
     );

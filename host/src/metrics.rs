@@ -1,6 +1,8 @@
 //! The worker's Prometheus metrics: counters and histograms updated as tasks run and data moves,
 //! gauges read when scraped, rendered in the Prometheus text format (0.0.4).
 
+use std::cell::RefCell;
+
 use prometheus::{
     Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
     exponential_buckets,
@@ -10,6 +12,8 @@ use prometheus::{
 #[derive(Clone)]
 pub struct WorkerMetrics {
     registry: Registry,
+    /// The name of every metric family, whether it has series yet or not.
+    names: Vec<String>,
     pub tasks_finished: IntCounterVec,
     pub task_duration: Histogram,
     pub instantiate_duration: Histogram,
@@ -39,8 +43,14 @@ pub fn compile_cache_counter() -> IntCounterVec {
 }
 
 /// Registers a metric whose definition is fixed in this file: failure is a programming error
-/// (a duplicate or malformed name), caught by the tests.
-fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
+/// (a duplicate or malformed name), caught by the tests. Its name is added to `names`.
+fn register<M: prometheus::core::Collector + Clone + 'static>(
+    (registry, names): (&Registry, &RefCell<Vec<String>>),
+    metric: M,
+) -> M {
+    names
+        .borrow_mut()
+        .extend(metric.desc().iter().map(|d| d.fq_name.clone()));
     registry
         .register(Box::new(metric.clone()))
         .unwrap_or_else(|e| panic!("invalid worker metric definition: {e}"));
@@ -51,16 +61,18 @@ impl WorkerMetrics {
     /// The metrics of one worker; `compile_cache` is the engine's cache-outcome counter.
     pub fn new(compile_cache: IntCounterVec) -> Self {
         let registry = Registry::new();
-        register(&registry, compile_cache);
+        let names = RefCell::new(Vec::new());
+        let target = (&registry, &names);
+        register(target, compile_cache);
         let counter_vec = |name: &str, help: &str, labels: &[&str]| {
             register(
-                &registry,
+                target,
                 IntCounterVec::new(opts(name, help), labels).unwrap_or_else(|e| panic!("{e}")),
             )
         };
         let gauge = |name: &str, help: &str| {
             register(
-                &registry,
+                target,
                 IntGauge::with_opts(opts(name, help)).unwrap_or_else(|e| panic!("{e}")),
             )
         };
@@ -71,7 +83,7 @@ impl WorkerMetrics {
                 .subsystem("worker")
                 .buckets(buckets);
             register(
-                &registry,
+                target,
                 Histogram::with_opts(opts).unwrap_or_else(|e| panic!("{e}")),
             )
         };
@@ -105,6 +117,7 @@ impl WorkerMetrics {
             slots: gauge("slots", "Tasks the worker runs at once"),
             partitions: gauge("partitions", "Partitions held"),
             partition_bytes: gauge("partition_bytes", "Bytes of partitions held"),
+            names: names.into_inner(),
             registry,
         }
     }
@@ -114,6 +127,12 @@ impl WorkerMetrics {
         self.transfer_bytes
             .with_label_values(&[direction, "tcp"])
             .inc_by(bytes as u64);
+    }
+
+    /// The name of every metric family exported (histograms add `_bucket`, `_sum` and `_count`),
+    /// including those without series yet.
+    pub fn names(&self) -> &[String] {
+        &self.names
     }
 
     pub fn render(&self) -> String {

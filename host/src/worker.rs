@@ -409,6 +409,7 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask, cancel: Arc<AtomicB
     };
     shared.running.fetch_add(1, Ordering::Relaxed);
     shared.metrics.running_tasks.inc();
+    let started = Instant::now();
     let outcome = if cancel.load(Ordering::Relaxed) {
         Err(Failure::fatal("the task was cancelled before it started"))
     } else {
@@ -459,6 +460,7 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask, cancel: Arc<AtomicB
                 task: Some(id),
                 error: failure.message,
                 retriable: failure.retriable,
+                duration_us: started.elapsed().as_micros() as u64,
             })
         }
     };

@@ -8,12 +8,16 @@
 //! - [`state`]: the task state machine, placement, retries, recovery from lost workers.
 //! - [`tenants`]: tenants and their tokens.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`timeline`]: bounded records of task executions and transfers, for dashboards and reports.
+//! - [`dashboard`]: the live web dashboard and its JSON endpoints.
 //! - [`service`]: the tonic service, the HTTP endpoints and [`serve`].
 
+pub mod dashboard;
 pub mod graph;
 pub mod metrics;
 pub mod service;
 pub mod state;
 pub mod tenants;
+pub mod timeline;
 
 pub use service::{SchedulerConfig, SchedulerService, ServeError, serve};

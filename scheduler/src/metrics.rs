@@ -1,6 +1,8 @@
 //! The scheduler's Prometheus metrics: counters and histograms updated as events happen, gauges
 //! read from the state when scraped, rendered in the Prometheus text format (0.0.4).
 
+use std::cell::RefCell;
+
 use prometheus::{
     HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder, exponential_buckets,
@@ -10,6 +12,8 @@ use prometheus::{
 #[derive(Clone)]
 pub struct SchedulerMetrics {
     registry: Registry,
+    /// The name of every metric family, whether it has series yet or not.
+    names: Vec<String>,
     pub tasks_finished: IntCounterVec,
     pub task_duration: HistogramVec,
     pub workers_lost: IntCounter,
@@ -17,14 +21,21 @@ pub struct SchedulerMetrics {
     pub workers: IntGauge,
     pub tasks: IntGaugeVec,
     pub ready_queue: IntGauge,
+    pub queued: IntGaugeVec,
     pub jobs: IntGaugeVec,
     pub worker_memory_used: IntGaugeVec,
     pub worker_assigned: IntGaugeVec,
 }
 
 /// Registers a metric whose definition is fixed in this file: failure is a programming error
-/// (a duplicate or malformed name), caught by the tests.
-fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
+/// (a duplicate or malformed name), caught by the tests. Its name is added to `names`.
+fn register<M: prometheus::core::Collector + Clone + 'static>(
+    (registry, names): (&Registry, &RefCell<Vec<String>>),
+    metric: M,
+) -> M {
+    names
+        .borrow_mut()
+        .extend(metric.desc().iter().map(|d| d.fq_name.clone()));
     registry
         .register(Box::new(metric.clone()))
         .unwrap_or_else(|e| panic!("invalid scheduler metric definition: {e}"));
@@ -40,27 +51,29 @@ fn opts(name: &str, help: &str) -> Opts {
 impl Default for SchedulerMetrics {
     fn default() -> Self {
         let registry = Registry::new();
+        let names = RefCell::new(Vec::new());
+        let target = (&registry, &names);
         let counter_vec = |name: &str, help: &str, labels: &[&str]| {
             register(
-                &registry,
+                target,
                 IntCounterVec::new(opts(name, help), labels).unwrap_or_else(|e| panic!("{e}")),
             )
         };
         let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
             register(
-                &registry,
+                target,
                 IntGaugeVec::new(opts(name, help), labels).unwrap_or_else(|e| panic!("{e}")),
             )
         };
         let counter = |name: &str, help: &str| {
             register(
-                &registry,
+                target,
                 IntCounter::with_opts(opts(name, help)).unwrap_or_else(|e| panic!("{e}")),
             )
         };
         let gauge = |name: &str, help: &str| {
             register(
-                &registry,
+                target,
                 IntGauge::with_opts(opts(name, help)).unwrap_or_else(|e| panic!("{e}")),
             )
         };
@@ -83,7 +96,7 @@ impl Default for SchedulerMetrics {
                 "Task attempts that ended, by stage and outcome (succeeded, failed, retried)",
                 &["stage", "outcome"],
             ),
-            task_duration: register(&registry, task_duration),
+            task_duration: register(target, task_duration),
             workers_lost: counter(
                 "workers_lost_total",
                 "Workers that died or stopped heartbeating",
@@ -96,6 +109,11 @@ impl Default for SchedulerMetrics {
                 &["state"],
             ),
             ready_queue: gauge("ready_queue_tasks", "Tasks waiting for a worker"),
+            queued: gauge_vec(
+                "queued_tasks",
+                "Tasks of unfinished jobs not started yet (waiting for inputs or a worker), by tenant and stage",
+                &["tenant", "stage"],
+            ),
             jobs: gauge_vec("jobs", "Jobs by state", &["state"]),
             worker_memory_used: gauge_vec(
                 "worker_memory_used_bytes",
@@ -107,12 +125,19 @@ impl Default for SchedulerMetrics {
                 "Tasks assigned to each worker, running or queued there",
                 &["worker"],
             ),
+            names: names.into_inner(),
             registry,
         }
     }
 }
 
 impl SchedulerMetrics {
+    /// The name of every metric family exported (histograms add `_bucket`, `_sum` and `_count`),
+    /// including those without series yet.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
     /// The Prometheus text exposition of every series.
     pub fn render(&self) -> String {
         TextEncoder::new()

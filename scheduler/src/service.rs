@@ -14,7 +14,7 @@ use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::scheduler_server::{Scheduler, SchedulerServer};
 use wrk_proto::worker_message::Kind as FromWorker;
 use wrk_proto::{
-    ClusterStatus, Empty, GetModuleRequest, JobProgress, JobRef, JobResult, JobState,
+    ClusterStatus, Empty, GetModuleRequest, JobProgress, JobRef, JobResult, JobState, JobTimeline,
     MAX_MESSAGE_BYTES, ModuleBytes, Registered, ScalingAdvice, ScalingRequest, SchedulerMessage,
     SubmitJobRequest, SubmitJobResponse, WorkerMessage,
 };
@@ -63,6 +63,7 @@ fn status(e: StateError) -> Status {
         StateError::UnknownJob(_) | StateError::UnknownModule(_) => {
             Status::not_found(e.to_string())
         }
+        StateError::NoTimeline(_) => Status::failed_precondition(e.to_string()),
     }
 }
 
@@ -251,7 +252,9 @@ impl Scheduler for SchedulerService {
         request: Request<SubmitJobRequest>,
     ) -> Result<Response<SubmitJobResponse>, Status> {
         let tenant = self.tenant(&request)?;
-        let Some(spec) = request.into_inner().job else {
+        let request = request.into_inner();
+        let keep_timeline = request.keep_timeline;
+        let Some(spec) = request.job else {
             return Err(Status::invalid_argument("the request has no job"));
         };
         let known = self.state().known_modules();
@@ -261,6 +264,9 @@ impl Scheduler for SchedulerService {
         let mut state = self.state();
         let name = spec.name.clone();
         let (job_id, _) = state.submit(&tenant, spec);
+        if keep_timeline {
+            state.keep_timeline(&tenant, &job_id).map_err(status)?;
+        }
         tracing::info!(job = %job_id, %name, "job submitted");
         send(state.dispatch());
         Ok(Response::new(SubmitJobResponse { job_id }))
@@ -339,6 +345,18 @@ impl Scheduler for SchedulerService {
         Ok(Response::new(self.state().scaling_advice(target)))
     }
 
+    async fn get_job_timeline(
+        &self,
+        request: Request<JobRef>,
+    ) -> Result<Response<JobTimeline>, Status> {
+        let tenant = self.tenant(&request)?;
+        let timeline = self
+            .state()
+            .job_timeline(&tenant, &request.into_inner().job_id)
+            .map_err(status)?;
+        Ok(Response::new(timeline))
+    }
+
     async fn get_cluster_status(
         &self,
         request: Request<Empty>,
@@ -357,10 +375,11 @@ impl SchedulerService {
         self.state().render_metrics()
     }
 
-    /// The HTTP endpoints: `/metrics` (Prometheus) and `/healthz`.
+    /// The HTTP endpoints: `/metrics` (Prometheus), `/healthz`, `/scaling` and the dashboard
+    /// (`/`, `/api/*`, see [`crate::dashboard`]).
     fn http_router(&self) -> axum::Router {
         let service = self.clone();
-        axum::Router::new()
+        crate::dashboard::router(self.state.clone())
             .route(
                 "/metrics",
                 axum::routing::get(move || {

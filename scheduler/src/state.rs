@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 use crate::metrics::SchedulerMetrics;
+use crate::timeline::{
+    Clock, Execution, JobRecords, MemoryHistory, RETAINED_JOB_TIMELINES, Recent, RecentExecution,
+    Transfer, WorkerNames, short_error,
+};
 use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::stage_input::Pattern;
 use wrk_proto::{
@@ -17,6 +21,13 @@ use wrk_proto::{
     OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, ReleaseTasks, ScalingAdvice,
     SchedulerMessage, StageProgress, TaskDone, TaskFailed, TaskId, TaskInput, WorkerStatus,
     task_input,
+};
+
+mod views;
+
+pub use views::{
+    ExecutionView, JobView, JobsView, Page, StageView, TransferView, WorkerView, WorkersView,
+    state_name,
 };
 
 /// Where a worker's control messages go.
@@ -46,6 +57,10 @@ pub enum StateError {
     UnknownJob(String),
     #[error("no module with hash {0}")]
     UnknownModule(String),
+    #[error(
+        "job `{0}` keeps no timeline: it was submitted without asking for one (wrk submit --report), or it was released, or too many jobs finished since"
+    )]
+    NoTimeline(String),
 }
 
 /// A task, by position in its job.
@@ -102,9 +117,18 @@ struct Job {
     /// The client fetched the results (or there are none to fetch): workers dropped the job's
     /// data and the scheduler its tasks.
     released: bool,
+    /// Its task executions and transfers, for its report, when its client asked for them
+    /// ([`State::keep_timeline`]); kept until the client releases it (or until more recent jobs
+    /// push them out, [`RETAINED_JOB_TIMELINES`]).
+    records: Option<Box<JobRecords>>,
+    /// When it was submitted and ended, on the scheduler's [`Clock`].
+    submitted_us: u64,
+    finished_us: Option<u64>,
 }
 
 struct Worker {
+    /// The worker's number in the records of the tasks it ran.
+    number: u32,
     address: String,
     http_address: String,
     slots: u32,
@@ -118,6 +142,7 @@ struct Worker {
     pool_bytes: u64,
     pool_used_bytes: u64,
     partitions: u64,
+    memory: MemoryHistory,
 }
 
 impl Worker {
@@ -152,6 +177,13 @@ pub struct State {
     metrics: SchedulerMetrics,
     /// Signs partition locations when the cluster has a worker token.
     ticket_secret: Option<Vec<u8>>,
+    clock: Clock,
+    /// Every worker that ever registered, numbered for the records.
+    worker_names: WorkerNames,
+    /// Recent task executions and transfers, for the dashboard.
+    recent: Recent,
+    /// Finished jobs still holding their records, oldest first.
+    retained: VecDeque<u64>,
 }
 
 fn is_terminal(state: JobState) -> bool {
@@ -315,6 +347,132 @@ impl Job {
     }
 }
 
+/// A task attempt that ended, as the records name it.
+struct Attempt<'a> {
+    task: TaskRef,
+    attempt: u32,
+    /// The worker's number in the records, and its id.
+    worker: u32,
+    worker_id: &'a str,
+    start_us: u64,
+    end_us: u64,
+}
+
+/// The partitions `attempt`'s task read from workers other than its own, summed by worker.
+fn remote_transfers(
+    job: &Job,
+    attempt: &Attempt<'_>,
+    workers: &HashMap<String, Worker>,
+    names: &WorkerNames,
+) -> Vec<Transfer> {
+    let TaskRef { stage, index, .. } = attempt.task;
+    let inputs = &job.spec.stages[stage as usize].inputs;
+    if inputs.is_empty() {
+        return Vec::new();
+    }
+    // A task reads from few workers, or (gathering a whole stage) from many: index only then.
+    let count: usize = inputs
+        .iter()
+        .map(|i| match i.pattern() {
+            Pattern::OneToOne => 1,
+            Pattern::All => job.spec.stages[i.stage as usize].num_tasks as usize,
+        })
+        .sum();
+    let many = count > 8;
+    let mut positions: HashMap<&str, usize> = HashMap::new();
+    let mut sources: Vec<(&str, u64)> = Vec::new();
+    let mut visit = |s: u32, i: u32| {
+        let TaskStatus::Done {
+            worker: from,
+            outputs,
+        } = &job.tasks[s as usize][i as usize].status
+        else {
+            return;
+        };
+        if from == attempt.worker_id {
+            return;
+        }
+        let bytes: u64 = outputs.iter().map(|o| o.bytes).sum();
+        let found = if many {
+            positions.get(from.as_str()).copied()
+        } else {
+            sources.iter().position(|(w, _)| *w == from)
+        };
+        match found {
+            Some(p) => sources[p].1 += bytes,
+            None => {
+                if many {
+                    positions.insert(from, sources.len());
+                }
+                sources.push((from, bytes));
+            }
+        }
+    };
+    for input in inputs {
+        match input.pattern() {
+            Pattern::OneToOne => visit(input.stage, index),
+            Pattern::All => {
+                for i in 0..job.spec.stages[input.stage as usize].num_tasks {
+                    visit(input.stage, i);
+                }
+            }
+        }
+    }
+    sources
+        .into_iter()
+        .map(|(from, bytes)| Transfer {
+            stage,
+            task: index,
+            // Every worker was numbered when it registered.
+            from: workers
+                .get(from)
+                .map(|w| w.number)
+                .or_else(|| names.number(from))
+                .unwrap_or(u32::MAX),
+            to: attempt.worker,
+            bytes,
+            at_us: attempt.start_us,
+        })
+        .collect()
+}
+
+/// Records an attempt (its outputs when it succeeded, its error when not) and the transfers
+/// it read its inputs by, for the dashboard and, when the job keeps them, its report.
+fn record(
+    recent: &mut Recent,
+    job: &mut Job,
+    attempt: &Attempt<'_>,
+    outputs: &[OutputMeta],
+    transfers: &[Transfer],
+    error: Option<&str>,
+) {
+    let execution = Execution {
+        stage: attempt.task.stage,
+        task: attempt.task.index,
+        attempt: attempt.attempt,
+        worker: attempt.worker,
+        start_us: attempt.start_us,
+        end_us: attempt.end_us,
+        output_bytes: outputs.iter().map(|o| o.bytes).sum(),
+        output_rows: outputs.iter().map(|o| o.rows).sum(),
+        fetched_bytes: transfers.iter().map(|t| t.bytes).sum(),
+    };
+    for &transfer in transfers {
+        recent.transfers.push((attempt.task.job, transfer));
+    }
+    recent.executions.push(RecentExecution {
+        job: attempt.task.job,
+        execution,
+        error: error.map(short_error),
+    });
+    if let Some(records) = job.records.as_mut() {
+        for &transfer in transfers {
+            records.push_transfer(transfer);
+        }
+        records.push_execution(execution, error);
+    }
+}
+
 /// Messages to send after a state change.
 pub type Outgoing = Vec<(WorkerOutbox, SchedulerMessage)>;
 
@@ -346,9 +504,11 @@ impl State {
         if self.workers.contains_key(&register.worker_id) {
             return Err(StateError::DuplicateWorker(register.worker_id.clone()));
         }
+        let number = self.worker_names.intern(&register.worker_id);
         self.workers.insert(
             register.worker_id.clone(),
             Worker {
+                number,
                 address: register.data_address.clone(),
                 http_address: register.http_address.clone(),
                 slots: register.slots.max(1),
@@ -360,6 +520,7 @@ impl State {
                 pool_bytes: register.pool_bytes,
                 pool_used_bytes: 0,
                 partitions: 0,
+                memory: MemoryHistory::default(),
             },
         );
         self.requeue_if_free(&register.worker_id);
@@ -367,10 +528,12 @@ impl State {
     }
 
     pub fn heartbeat(&mut self, worker_id: &str, beat: &wrk_proto::Heartbeat) {
+        let now_us = self.clock.now_us();
         if let Some(worker) = self.workers.get_mut(worker_id) {
             worker.last_seen = Instant::now();
             worker.pool_used_bytes = beat.pool_used_bytes;
             worker.partitions = beat.partitions;
+            worker.memory.sample(now_us, beat.pool_used_bytes);
         }
     }
 
@@ -437,6 +600,9 @@ impl State {
             remaining,
             durations: vec![(0.0, 0); stages],
             released: false,
+            records: None,
+            submitted_us: self.clock.now_us(),
+            finished_us: None,
         };
         for (stage, index) in job.recount() {
             self.ready.push_back(TaskRef {
@@ -540,12 +706,15 @@ impl State {
         }
     }
 
-    /// A task attempt left a worker (done, failed, cancelled): free its place.
-    fn release_slot(&mut self, worker_id: &str, task: (u64, u32, u32)) {
-        if let Some(w) = self.workers.get_mut(worker_id) {
+    /// A task attempt left a worker (done, failed, cancelled): free its place. Returns the
+    /// worker's number in the records, if it is attached.
+    fn release_slot(&mut self, worker_id: &str, task: (u64, u32, u32)) -> Option<u32> {
+        let number = self.workers.get_mut(worker_id).map(|w| {
             w.running.remove(&task);
-        }
+            w.number
+        });
         self.requeue_if_free(worker_id);
+        number
     }
 
     /// Among the workers holding `task`'s inputs, the one with room holding the most bytes.
@@ -651,24 +820,48 @@ impl State {
     }
 
     /// A worker reports the end of a task attempt: frees its place, and returns the task if the
-    /// report is about its current attempt (not stale, not foreign).
-    fn attempt_ended(&mut self, worker_id: &str, id: &TaskId) -> Option<TaskRef> {
+    /// report is about its current attempt (not stale, not foreign), with the worker's number in
+    /// the records.
+    fn attempt_ended(&mut self, worker_id: &str, id: &TaskId) -> Option<(TaskRef, u32)> {
         let number = self.job_ids.get(&id.job_id).copied().unwrap_or(0);
-        self.release_slot(worker_id, (number, id.stage, id.index));
-        self.current(worker_id, id)
+        let worker = self.release_slot(worker_id, (number, id.stage, id.index));
+        let task = self.current(worker_id, id)?;
+        Some((
+            task,
+            worker.unwrap_or_else(|| self.worker_names.intern(worker_id)),
+        ))
     }
 
     pub fn task_done(&mut self, worker_id: &str, done: TaskDone) -> Outgoing {
         let Some(id) = done.task else {
             return Vec::new();
         };
-        let Some(task) = self.attempt_ended(worker_id, &id) else {
+        let Some((task, worker)) = self.attempt_ended(worker_id, &id) else {
             return self.dispatch();
         };
+        let duration_us = done.stats.as_ref().map_or(0, |s| s.duration_us);
+        let end_us = self.clock.now_us();
         let job = self
             .jobs
             .get_mut(&task.job)
             .unwrap_or_else(|| unreachable!());
+        let attempt = Attempt {
+            task,
+            attempt: id.attempt,
+            worker,
+            worker_id,
+            start_us: end_us.saturating_sub(duration_us),
+            end_us,
+        };
+        let transfers = remote_transfers(job, &attempt, &self.workers, &self.worker_names);
+        record(
+            &mut self.recent,
+            job,
+            &attempt,
+            &done.outputs,
+            &transfers,
+            None,
+        );
         job.set_status(
             task.stage,
             task.index,
@@ -730,26 +923,74 @@ impl State {
                 ));
             }
         }
-        if job.remaining == 0 && job.state == JobState::Running {
+        let succeeded = job.remaining == 0 && job.state == JobState::Running;
+        if succeeded {
             job.state = JobState::Succeeded;
             tracing::info!(job = %job.id, name = %job.spec.name, "job succeeded");
         }
         job.publish();
+        if succeeded {
+            self.job_ended(task.job);
+        }
         out.extend(self.dispatch());
         out
+    }
+
+    /// Keeps the task records of `tenant`'s job `job_id` for [`State::job_timeline`] (a
+    /// performance report); call it right after [`State::submit`].
+    pub fn keep_timeline(&mut self, tenant: &str, job_id: &str) -> Result<(), StateError> {
+        let number = self.tenant_job(tenant, job_id)?;
+        if let Some(job) = self.jobs.get_mut(&number) {
+            job.records.get_or_insert_default();
+        }
+        Ok(())
+    }
+
+    /// A job reached a final state: note when, and keep its records only while few finished
+    /// jobs do.
+    fn job_ended(&mut self, number: u64) {
+        let now_us = self.clock.now_us();
+        if let Some(job) = self.jobs.get_mut(&number) {
+            job.finished_us.get_or_insert(now_us);
+        }
+        self.retained.push_back(number);
+        while self.retained.len() > RETAINED_JOB_TIMELINES {
+            if let Some(oldest) = self.retained.pop_front()
+                && let Some(job) = self.jobs.get_mut(&oldest)
+            {
+                job.records = None;
+            }
+        }
     }
 
     pub fn task_failed(&mut self, worker_id: &str, failed: TaskFailed) -> Outgoing {
         let Some(id) = failed.task else {
             return Vec::new();
         };
-        let Some(task) = self.attempt_ended(worker_id, &id) else {
+        let Some((task, worker)) = self.attempt_ended(worker_id, &id) else {
             return self.dispatch();
         };
+        let end_us = self.clock.now_us();
         let job = self
             .jobs
             .get_mut(&task.job)
             .unwrap_or_else(|| unreachable!());
+        let attempt = Attempt {
+            task,
+            attempt: id.attempt,
+            worker,
+            worker_id,
+            start_us: end_us.saturating_sub(failed.duration_us),
+            end_us,
+        };
+        record(
+            &mut self.recent,
+            job,
+            &attempt,
+            &[],
+            &[],
+            Some(&failed.error),
+        );
         let attempts = job.tasks[task.stage as usize][task.index as usize].attempts;
         let stage_name = job.spec.stages[task.stage as usize].name.clone();
         job.set_status(task.stage, task.index, TaskStatus::Ready);
@@ -841,6 +1082,7 @@ impl State {
         for worker in freed {
             self.requeue_if_free(&worker);
         }
+        self.job_ended(number);
         out
     }
 
@@ -866,6 +1108,9 @@ impl State {
             "released by the client before it finished".into(),
         );
         out.extend(self.release_job(number));
+        if let Some(job) = self.jobs.get_mut(&number) {
+            job.records = None;
+        }
         out.extend(self.dispatch());
         Ok(out)
     }
@@ -1067,18 +1312,17 @@ impl State {
         }
         let (mut pending, mut running, mut done) = (0i64, 0i64, 0i64);
         let mut jobs: HashMap<&'static str, i64> = HashMap::new();
+        let mut queued: HashMap<(&str, &str), i64> = HashMap::new();
         for job in self.jobs.values() {
-            let state = match job.state {
-                JobState::Pending => "pending",
-                JobState::Running => "running",
-                JobState::Succeeded => "succeeded",
-                JobState::Failed => "failed",
-                JobState::Cancelled => "cancelled",
-                JobState::Unspecified => "unspecified",
-            };
-            *jobs.entry(state).or_default() += 1;
+            *jobs.entry(state_name(job.state)).or_default() += 1;
             if is_terminal(job.state) {
                 continue;
+            }
+            for (s, stage) in job.spec.stages.iter().enumerate() {
+                let waiting = stage.num_tasks.saturating_sub(job.done[s] + job.running[s]);
+                *queued
+                    .entry((job.tenant.as_str(), stage.name.as_str()))
+                    .or_default() += i64::from(waiting);
             }
             let job_running: u32 = job.running.iter().sum();
             let job_done: u32 = job.done.iter().sum();
@@ -1092,6 +1336,10 @@ impl State {
         m.jobs.reset();
         for (state, count) in jobs {
             m.jobs.with_label_values(&[state]).set(count);
+        }
+        m.queued.reset();
+        for ((tenant, stage), count) in queued {
+            m.queued.with_label_values(&[tenant, stage]).set(count);
         }
         m.render()
     }
@@ -1391,6 +1639,7 @@ mod tests {
                 task: task.task.clone(),
                 error: "module `m.wasm` trapped".into(),
                 retriable: false,
+                duration_us: 0,
             },
         );
         let result = state.result(T, &id).unwrap();
@@ -1418,6 +1667,7 @@ mod tests {
                     task: task.task.clone(),
                     error: "peer unreachable".into(),
                     retriable: true,
+                    duration_us: 0,
                 },
             );
             match assigned(&out).pop() {
@@ -1811,5 +2061,206 @@ mod tests {
         );
         assert_eq!(job_state(&state, &id), JobState::Cancelled);
         drop(a.try_recv());
+    }
+
+    /// A state whose clock started a second ago, so that attempts that took milliseconds
+    /// began after it.
+    fn state_with_history() -> State {
+        let mut state = State::new();
+        let epoch = Instant::now()
+            .checked_sub(Duration::from_secs(1))
+            .expect("the machine has been up for a second");
+        state.clock = Clock::with_epoch(epoch);
+        state
+    }
+
+    /// Runs every assigned task (and those they unlock) to completion, each taking
+    /// `duration_us` on its worker.
+    fn run_all(state: &mut State, mut pending: Vec<AssignTask>, duration_us: u64) {
+        while let Some(task) = pending.pop() {
+            let worker = worker_of(state, &task);
+            let report = TaskDone {
+                stats: Some(wrk_proto::TaskStats {
+                    duration_us,
+                    ..Default::default()
+                }),
+                ..done(&task, 1000)
+            };
+            pending.extend(assigned(&state.task_done(&worker, report)));
+        }
+    }
+
+    #[test]
+    fn executions_and_transfers_are_recorded_and_served_by_cursor() {
+        let mut state = state_with_history();
+        let _a = add_worker(&mut state, "a", 1);
+        let _b = add_worker(&mut state, "b", 1);
+        let (id, _) = state.submit(T, map_reduce(2));
+        state.keep_timeline(T, &id).unwrap();
+        let first = assigned(&state.dispatch());
+        let map_workers: HashSet<String> = first.iter().map(|t| worker_of(&state, t)).collect();
+        assert_eq!(map_workers.len(), 2, "round robin spreads the maps");
+        run_all(&mut state, first, 5_000);
+
+        let page = state.executions_view(0, 10);
+        assert_eq!((page.items.len(), page.next, page.missed), (3, 3, 0));
+        assert!(page.items.iter().all(|e| e.ok && e.job == id));
+        let reduce = &page.items[2];
+        assert_eq!((reduce.stage.as_str(), reduce.task), ("reduce", 0));
+        assert_eq!(reduce.end_us - reduce.start_us, 5_000);
+        assert_eq!(
+            reduce.fetched_bytes, 1000,
+            "the reduce read one map output where it ran and fetched the other"
+        );
+        let transfers = state.transfers_view(0, 10);
+        assert_eq!(transfers.items.len(), 1);
+        let t = &transfers.items[0];
+        assert_eq!((t.bytes, t.to.as_str()), (1000, reduce.worker.as_str()));
+        assert_ne!(t.from, t.to);
+        // Increments: nothing new after the cursor, and a page limit is honoured.
+        assert!(state.executions_view(page.next, 10).items.is_empty());
+        let limited = state.executions_view(1, 1);
+        assert_eq!((limited.items[0].seq, limited.next), (1, 2));
+
+        let timeline = state.job_timeline(T, &id).unwrap();
+        assert_eq!(timeline.tasks.len(), 3);
+        assert_eq!(timeline.transfers.len(), 1);
+        assert_eq!(timeline.state(), JobState::Succeeded);
+        let names: HashSet<&str> = timeline
+            .workers
+            .iter()
+            .map(|w| w.worker_id.as_str())
+            .collect();
+        assert_eq!(names, HashSet::from(["a", "b"]));
+        assert!(
+            timeline
+                .tasks
+                .iter()
+                .all(|t| t.end_us <= timeline.duration_us && t.error.is_empty())
+        );
+        assert_eq!(
+            state.job_timeline("someone-else", &id).unwrap_err(),
+            StateError::UnknownJob(id.clone()),
+            "another tenant's job is unknown"
+        );
+        state.release(T, &id).unwrap();
+        assert_eq!(
+            state.job_timeline(T, &id).unwrap_err(),
+            StateError::NoTimeline(id.clone()),
+            "releasing a job drops its records"
+        );
+        assert_eq!(
+            state.executions_view(0, 10).items.len(),
+            3,
+            "the dashboard's ring keeps them"
+        );
+    }
+
+    #[test]
+    fn a_failed_attempt_is_recorded_with_its_error_and_kept_after_the_job_fails() {
+        let mut state = state_with_history();
+        let _a = add_worker(&mut state, "a", 1);
+        let (id, _) = state.submit(T, map_reduce(1));
+        state.keep_timeline(T, &id).unwrap();
+        let task = assigned(&state.dispatch()).remove(0);
+        state.task_failed(
+            "a",
+            TaskFailed {
+                task: task.task.clone(),
+                error: "module `m.wasm` trapped: unreachable".into(),
+                retriable: false,
+                duration_us: 2_000,
+            },
+        );
+        assert_eq!(job_state(&state, &id), JobState::Failed);
+        let timeline = state.job_timeline(T, &id).unwrap();
+        assert_eq!(timeline.tasks.len(), 1, "a failed job keeps its records");
+        let attempt = &timeline.tasks[0];
+        assert!(attempt.error.contains("trapped"), "{attempt:?}");
+        assert!(timeline.error.contains("trapped"));
+        let page = state.executions_view(0, 10);
+        let attempt = &page.items[0];
+        assert!(!attempt.ok);
+        assert_eq!(attempt.end_us - attempt.start_us, 2_000);
+    }
+
+    #[test]
+    fn only_the_newest_finished_jobs_keep_their_records() {
+        let mut state = state_with_history();
+        let _a = add_worker(&mut state, "a", 4);
+        let mut ids = Vec::new();
+        for _ in 0..=RETAINED_JOB_TIMELINES {
+            let (id, _) = state.submit(T, map_reduce(1));
+            state.keep_timeline(T, &id).unwrap();
+            let first = assigned(&state.dispatch());
+            run_all(&mut state, first, 10);
+            ids.push(id);
+        }
+        assert_eq!(
+            state.job_timeline(T, &ids[0]).unwrap_err(),
+            StateError::NoTimeline(ids[0].clone())
+        );
+        assert_eq!(state.job_timeline(T, &ids[1]).unwrap().tasks.len(), 2);
+        let jobs = state.jobs_view();
+        assert_eq!(jobs.jobs[0].id, ids[RETAINED_JOB_TIMELINES], "newest first");
+        assert!(
+            jobs.jobs.len() <= 20,
+            "only recent finished jobs are listed"
+        );
+    }
+
+    #[test]
+    fn heartbeats_sample_worker_memory_for_the_timeline() {
+        let mut state = state_with_history();
+        let _a = add_worker(&mut state, "a", 1);
+        let (id, _) = state.submit(T, map_reduce(1));
+        state.keep_timeline(T, &id).unwrap();
+        state.heartbeat(
+            "a",
+            &wrk_proto::Heartbeat {
+                pool_used_bytes: 4096,
+                ..Default::default()
+            },
+        );
+        let first = assigned(&state.dispatch());
+        run_all(&mut state, first, 10);
+        let timeline = state.job_timeline(T, &id).unwrap();
+        assert_eq!(timeline.memory.len(), 1);
+        assert_eq!(timeline.memory[0].used_bytes, 4096);
+        let workers = state.workers_view();
+        assert_eq!(workers.workers[0].pool_used_bytes, 4096);
+    }
+
+    #[test]
+    fn only_jobs_that_asked_keep_a_timeline_but_the_dashboard_sees_all() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 1);
+        let (id, _) = state.submit(T, map_reduce(1));
+        let first = assigned(&state.dispatch());
+        run_all(&mut state, first, 10);
+        assert_eq!(
+            state.job_timeline(T, &id).unwrap_err(),
+            StateError::NoTimeline(id.clone())
+        );
+        assert!(state.jobs[&state.job_ids[&id]].records.is_none());
+        assert_eq!(state.executions_view(0, 10).items.len(), 2);
+    }
+
+    #[test]
+    fn queue_depth_is_exported_per_tenant_and_stage() {
+        let mut state = state_with_history();
+        let _a = add_worker(&mut state, "a", 1);
+        state.submit(T, map_reduce(5));
+        state.submit("other", map_reduce(2));
+        state.dispatch();
+        let text = state.render_metrics();
+        // One slot plus one queued: two maps of the first job are assigned.
+        for line in [
+            r#"wrk_scheduler_queued_tasks{stage="map",tenant="tenant"} 3"#,
+            r#"wrk_scheduler_queued_tasks{stage="reduce",tenant="tenant"} 1"#,
+            r#"wrk_scheduler_queued_tasks{stage="map",tenant="other"} 2"#,
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
     }
 }

@@ -140,7 +140,10 @@ async fn cancelling_a_job_stops_its_running_tasks_at_once() {
         .unwrap();
     let spec = job::plan(&spin, &Overrides::default()).unwrap();
     let job_id = client
-        .submit_job(wrk_proto::SubmitJobRequest { job: Some(spec) })
+        .submit_job(wrk_proto::SubmitJobRequest {
+            job: Some(spec),
+            keep_timeline: false,
+        })
         .await
         .unwrap()
         .into_inner()

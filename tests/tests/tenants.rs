@@ -144,6 +144,11 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
         .await
         .map(|_| ())
         .unwrap_err(),
+        bob.get_job_timeline(JobRef {
+            job_id: job_id.clone(),
+        })
+        .await
+        .unwrap_err(),
         bob.release_job(JobRef {
             job_id: job_id.clone(),
         })
@@ -163,7 +168,10 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
     let spec = wrk_cli::job::plan(&job, &overrides).unwrap();
     let mut alice = wrk_cli::client::connect(&url, Some(ALICE)).await.unwrap();
     let second = alice
-        .submit_job(wrk_proto::SubmitJobRequest { job: Some(spec) })
+        .submit_job(wrk_proto::SubmitJobRequest {
+            job: Some(spec),
+            keep_timeline: true,
+        })
         .await
         .unwrap()
         .into_inner()
@@ -214,6 +222,18 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
         .await
         .expect("the owner's ticket works");
     assert_eq!(table.num_rows() as u64, location.rows);
+    // The job's timeline, for a report: its owner's, and nobody else's.
+    let second_ref = JobRef {
+        job_id: second.clone(),
+    };
+    let timeline = alice
+        .get_job_timeline(second_ref.clone())
+        .await
+        .expect("the owner reads the timeline")
+        .into_inner();
+    assert!(!timeline.tasks.is_empty(), "{timeline:?}");
+    let refused = bob.get_job_timeline(second_ref).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
     alice.release_job(JobRef { job_id: second }).await.unwrap();
 
     // Unknown and missing tokens are refused.
