@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint, Server};
 use wrk_proto::auth::{AuthChannel, BearerToken};
 use wrk_proto::scheduler_client::SchedulerClient;
@@ -152,9 +152,13 @@ pub async fn run(
     let data_server = tokio::spawn(
         Server::builder()
             .add_service(data_service)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-                let _ = data_stopped.await;
-            }),
+            // Without TCP_NODELAY a small HTTP/2 frame can wait ~40 ms for a delayed ACK.
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                async {
+                    let _ = data_stopped.await;
+                },
+            ),
     );
 
     let (metrics_server, http_address) = match config.metrics_listen {

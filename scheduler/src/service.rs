@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures::Stream;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{TcpListenerStream, UnboundedReceiverStream};
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status, Streaming};
 use wrk_proto::scheduler_message::Kind as ToWorker;
@@ -468,10 +468,14 @@ pub async fn serve(
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let result = Server::builder()
         .add_service(server)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-            shutdown.await;
-            let _ = stop.send(true);
-        })
+        // Without TCP_NODELAY a small HTTP/2 frame can wait ~40 ms for a delayed ACK.
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            async {
+                shutdown.await;
+                let _ = stop.send(true);
+            },
+        )
         .await;
     let _ = stop.send(true);
     reaper.abort();
