@@ -1,5 +1,10 @@
 //! `wrk`: submit jobs, run a local cluster, a scheduler or a worker, run one task, generate data.
 
+/// Workers allocate and free large column buffers all the time; mimalloc reuses freed memory
+/// instead of returning it to the OS and faulting fresh pages in for the next partition.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -10,6 +10,7 @@
 //! arithmetic, floats compared by total order, null propagation, Kleene logic); the tests check
 //! the two paths against each other.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use arrow::array::{Array, ArrayRef, AsArray, BooleanArray, Float64Array, Int64Array, UInt64Array};
@@ -177,6 +178,7 @@ pub fn try_evaluate(expr: &Expr, batch: &RecordBatch) -> Option<Result<ArrayRef,
     let mut compiler = Compiler {
         batch,
         schema: &schema,
+        seen: HashMap::new(),
         program: Program {
             inputs: Vec::new(),
             registers: Vec::new(),
@@ -262,6 +264,8 @@ struct Compiler<'a> {
     batch: &'a RecordBatch,
     schema: &'a Schema,
     program: Program,
+    /// The register of every subexpression compiled so far, by its rendering.
+    seen: HashMap<String, Reg>,
 }
 
 impl Compiler<'_> {
@@ -325,7 +329,19 @@ impl Compiler<'_> {
         Ok(reg)
     }
 
+    /// Compiles `expr` once: a subexpression that occurs again (the same handle reused by the
+    /// guest, or an equal tree built twice) reads the register of its first occurrence.
     fn compile(&mut self, expr: &Expr) -> Result<Reg, String> {
+        let key = expr.to_string();
+        if let Some(&reg) = self.seen.get(&key) {
+            return Ok(reg);
+        }
+        let reg = self.compile_node(expr)?;
+        self.seen.insert(key, reg);
+        Ok(reg)
+    }
+
+    fn compile_node(&mut self, expr: &Expr) -> Result<Reg, String> {
         if !fusible(expr, self.schema) {
             let array =
                 super::eval::evaluate_with_kernels(expr, self.batch).map_err(|e| e.to_string())?;
@@ -1119,6 +1135,48 @@ mod tests {
                 (k, f) => panic!("{expr}: kernels {k:?}, fused {f:?}"),
             }
         }
+    }
+
+    #[test]
+    fn common_subexpressions_are_computed_once() {
+        let batch = batch(100, 2);
+        let sin = un(UnaryOp::Sin, bin(BinaryOp::Sub, c("x"), c("y")));
+        let rebuilt = un(UnaryOp::Sin, bin(BinaryOp::Sub, c("x"), c("y")));
+        let e = bin(BinaryOp::Add, bin(BinaryOp::Mul, sin.clone(), sin), rebuilt);
+        let schema = batch.schema();
+        let mut compiler = Compiler {
+            batch: &batch,
+            schema: &schema,
+            seen: HashMap::new(),
+            program: Program {
+                inputs: Vec::new(),
+                registers: Vec::new(),
+                steps: Vec::new(),
+                result: 0,
+                result_type: DataType::Float64,
+            },
+        };
+        compiler.compile(&e).unwrap();
+        let sines = compiler
+            .program
+            .steps
+            .iter()
+            .filter(|s| {
+                matches!(
+                    s,
+                    Step::Unary {
+                        op: UnaryOp::Sin,
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(sines, 1);
+        assert_eq!(
+            compiler.program.inputs.len(),
+            2,
+            "x and y are loaded once each"
+        );
     }
 
     #[test]

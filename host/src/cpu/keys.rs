@@ -135,6 +135,19 @@ pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), Arrow
         (first_rows.len() - 1) as u32
     };
     match &encoded {
+        EncodedKeys::Int(values) if values.null_count() == 0 && small_range(values).is_some() => {
+            // Few distinct values in a narrow range (a passenger count, a day of the week): a
+            // table indexed by the value replaces hashing.
+            let (lowest, width) = small_range(values).unwrap_or_default();
+            let mut ids = vec![u32::MAX; width];
+            for (row, &value) in values.values().iter().enumerate() {
+                let slot = &mut ids[(value - lowest) as usize];
+                if *slot == u32::MAX {
+                    *slot = new_group(row, &mut first_rows);
+                }
+                group_of_row.push(*slot);
+            }
+        }
         EncodedKeys::Int(values) => {
             let mut ids: HashMap<i64, u32> = HashMap::new();
             let mut null_group = None;
@@ -162,6 +175,16 @@ pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), Arrow
         }
     }
     Ok((group_of_row, first_rows))
+}
+
+/// The lowest value and the width of `values`' range, when it is narrow enough for a table
+/// indexed by value (at most 65,536 wide, and no wider than the column is long).
+fn small_range(values: &arrow::array::Int64Array) -> Option<(i64, usize)> {
+    let lowest = arrow::compute::min(values)?;
+    let highest = arrow::compute::max(values)?;
+    let width = highest.checked_sub(lowest)?.checked_add(1)?;
+    (width <= 65_536 && width as usize <= values.len().max(1024))
+        .then_some((lowest, width as usize))
 }
 
 /// The partition hash of a null key value.
@@ -299,6 +322,17 @@ mod tests {
             mix(mix(twox_hash::XxHash64::oneshot(0, b"wrk")))
         );
         assert_ne!(int_hashes[1], int_hashes[2]);
+    }
+
+    #[test]
+    fn narrow_and_wide_integer_keys_group_alike() {
+        let narrow: ArrayRef = Arc::new(Int32Array::from(vec![5, 3, 5, 4, 3]));
+        assert_eq!(
+            group_ids(&[narrow]).unwrap(),
+            (vec![0, 1, 0, 2, 1], vec![0, 1, 3])
+        );
+        let wide: ArrayRef = Arc::new(Int64Array::from(vec![i64::MIN, i64::MAX, i64::MIN]));
+        assert_eq!(group_ids(&[wide]).unwrap(), (vec![0, 1, 0], vec![0, 1]));
     }
 
     #[test]

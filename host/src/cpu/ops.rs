@@ -339,9 +339,15 @@ fn aggregate_column(
     match function {
         AggregateFn::Count => {
             let mut counts = vec![0i64; groups];
-            for (row, &g) in group_of_row.iter().enumerate() {
-                if values.is_valid(row) {
+            if values.null_count() == 0 {
+                for &g in group_of_row {
                     counts[g as usize] += 1;
+                }
+            } else {
+                for (row, &g) in group_of_row.iter().enumerate() {
+                    if values.is_valid(row) {
+                        counts[g as usize] += 1;
+                    }
                 }
             }
             Ok(Arc::new(Int64Array::from(counts)))
@@ -367,10 +373,17 @@ fn aggregate_column(
             let values = values.as_primitive::<Float64Type>();
             let mut sums = vec![0f64; groups];
             let mut counts = vec![0u64; groups];
-            for (row, &g) in group_of_row.iter().enumerate() {
-                if values.is_valid(row) {
-                    sums[g as usize] += values.value(row);
+            if values.null_count() == 0 {
+                for (&g, &v) in group_of_row.iter().zip(values.values().iter()) {
+                    sums[g as usize] += v;
                     counts[g as usize] += 1;
+                }
+            } else {
+                for (row, &g) in group_of_row.iter().enumerate() {
+                    if values.is_valid(row) {
+                        sums[g as usize] += values.value(row);
+                        counts[g as usize] += 1;
+                    }
                 }
             }
             Ok(Arc::new(Float64Array::from_iter(
@@ -454,6 +467,15 @@ fn reduce<T: ArrowPrimitiveType>(
         (AggregateFn::Min, Some(a)) => (ops.min)(a, v),
         (_, Some(a)) => (ops.max)(a, v),
     };
+    if values.null_count() == 0 && function == AggregateFn::Sum {
+        // Every group has at least one row, so every sum starts from a real value.
+        let mut sums = vec![T::Native::default(); groups];
+        for (&g, &v) in group_of_row.iter().zip(values.values().iter()) {
+            let slot = &mut sums[g as usize];
+            *slot = (ops.add)(*slot, v);
+        }
+        return PrimitiveArray::<T>::from_iter_values(sums);
+    }
     let mut acc: Vec<Option<T::Native>> = vec![None; groups];
     for (row, &g) in group_of_row.iter().enumerate() {
         if values.is_valid(row) {
