@@ -891,20 +891,50 @@ fn if_else(cond: &Register, then: &Register, otherwise: &Register, len: usize, o
     }
 }
 
-/// The result column, grown block by block.
+/// The result column, grown block by block. Booleans and validity are packed into bits as each
+/// block arrives (every block but the last is a multiple of 8 rows long).
 struct Output {
-    values: Values,
-    valid: Option<Vec<bool>>,
+    values: OutputValues,
+    valid: Option<Vec<u8>>,
     rows: usize,
+}
+
+enum OutputValues {
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    U64(Vec<u64>),
+    Bits(Vec<u8>),
+}
+
+/// Appends `bools` as little-endian bits (Arrow's layout), eight to a byte.
+fn pack(bools: &[bool], out: &mut Vec<u8>) {
+    let chunks = bools.chunks_exact(8);
+    let rest = chunks.remainder();
+    out.extend(chunks.map(|c| {
+        c.iter()
+            .enumerate()
+            .fold(0u8, |byte, (bit, &set)| byte | (u8::from(set) << bit))
+    }));
+    if !rest.is_empty() {
+        out.push(
+            rest.iter()
+                .enumerate()
+                .fold(0u8, |byte, (bit, &set)| byte | (u8::from(set) << bit)),
+        );
+    }
+}
+
+fn bits(bytes: Vec<u8>, rows: usize) -> arrow::buffer::BooleanBuffer {
+    arrow::buffer::BooleanBuffer::new(arrow::buffer::Buffer::from_vec(bytes), 0, rows)
 }
 
 impl Output {
     fn new(kind: Kind, rows: usize) -> Self {
         let values = match kind {
-            Kind::F64 => Values::F64(Vec::with_capacity(rows)),
-            Kind::I64 => Values::I64(Vec::with_capacity(rows)),
-            Kind::U64 => Values::U64(Vec::with_capacity(rows)),
-            Kind::Bool => Values::Bool(Vec::with_capacity(rows)),
+            Kind::F64 => OutputValues::F64(Vec::with_capacity(rows)),
+            Kind::I64 => OutputValues::I64(Vec::with_capacity(rows)),
+            Kind::U64 => OutputValues::U64(Vec::with_capacity(rows)),
+            Kind::Bool => OutputValues::Bits(Vec::with_capacity(rows.div_ceil(8))),
         };
         Output {
             values,
@@ -915,29 +945,32 @@ impl Output {
 
     fn append(&mut self, reg: &Register, len: usize) {
         match (&mut self.values, &reg.values) {
-            (Values::F64(d), Values::F64(s)) => d.extend_from_slice(&s[..len]),
-            (Values::I64(d), Values::I64(s)) => d.extend_from_slice(&s[..len]),
-            (Values::U64(d), Values::U64(s)) => d.extend_from_slice(&s[..len]),
-            (Values::Bool(d), Values::Bool(s)) => d.extend_from_slice(&s[..len]),
+            (OutputValues::F64(d), Values::F64(s)) => d.extend_from_slice(&s[..len]),
+            (OutputValues::I64(d), Values::I64(s)) => d.extend_from_slice(&s[..len]),
+            (OutputValues::U64(d), Values::U64(s)) => d.extend_from_slice(&s[..len]),
+            (OutputValues::Bits(d), Values::Bool(s)) => pack(&s[..len], d),
             _ => {}
         }
         if reg.nullable {
             let rows = self.rows;
-            let valid = self.valid.get_or_insert_with(|| vec![true; rows]);
-            valid.extend_from_slice(&reg.valid[..len]);
+            let valid = self
+                .valid
+                .get_or_insert_with(|| vec![u8::MAX; rows.div_ceil(8)]);
+            pack(&reg.valid[..len], valid);
         } else if let Some(valid) = &mut self.valid {
-            valid.resize(valid.len() + len, true);
+            valid.resize(valid.len() + len.div_ceil(8), u8::MAX);
         }
         self.rows += len;
     }
 
     fn finish(self) -> ArrayRef {
-        let nulls = self.valid.map(NullBuffer::from);
+        let rows = self.rows;
+        let nulls = self.valid.map(|v| NullBuffer::new(bits(v, rows)));
         match self.values {
-            Values::F64(v) => Arc::new(Float64Array::new(v.into(), nulls)),
-            Values::I64(v) => Arc::new(Int64Array::new(v.into(), nulls)),
-            Values::U64(v) => Arc::new(UInt64Array::new(v.into(), nulls)),
-            Values::Bool(v) => Arc::new(BooleanArray::new(v.into(), nulls)),
+            OutputValues::F64(v) => Arc::new(Float64Array::new(v.into(), nulls)),
+            OutputValues::I64(v) => Arc::new(Int64Array::new(v.into(), nulls)),
+            OutputValues::U64(v) => Arc::new(UInt64Array::new(v.into(), nulls)),
+            OutputValues::Bits(v) => Arc::new(BooleanArray::new(bits(v, rows), nulls)),
         }
     }
 }
