@@ -67,8 +67,39 @@ pub enum IoError {
     Write { path: PathBuf, detail: String },
     #[error("the files of one partition do not combine into one table: {detail}")]
     Combine { detail: String },
-    #[error("only local paths are supported as sources and sinks for now, not `{uri}`")]
+    #[error(
+        "`{uri}` is neither a local path nor an object store URL (s3://, gs://, az://, http(s)://)"
+    )]
     UnsupportedUri { uri: String },
+    #[error("object store: {0}")]
+    Remote(#[from] crate::remote::RemoteError),
+}
+
+/// One Parquet file of a source: its name (a path or an object URL) and a local file holding its
+/// bytes (the file itself, or the object downloaded into the cache).
+#[derive(Debug, Clone)]
+pub struct SourceFile {
+    pub uri: String,
+    pub path: PathBuf,
+}
+
+/// Where downloaded source objects are cached: `$WRK_OBJECT_CACHE`, else `objects` beside the
+/// component cache, else the temporary directory.
+fn object_cache() -> PathBuf {
+    if let Some(dir) = std::env::var_os("WRK_OBJECT_CACHE") {
+        return PathBuf::from(dir);
+    }
+    crate::engine::default_cache_dir()
+        .and_then(|components| components.parent().map(|wrk| wrk.join("objects")))
+        .unwrap_or_else(|| std::env::temp_dir().join("wrk-objects"))
+}
+
+/// A local file holding the Parquet file `uri` (downloading it when it is an object URL).
+fn resolve(uri: &str) -> Result<PathBuf, IoError> {
+    if crate::remote::is_remote(uri) {
+        return Ok(crate::remote::fetch(uri, &object_cache())?);
+    }
+    local_path(uri)
 }
 
 fn local_path(uri: &str) -> Result<PathBuf, IoError> {
@@ -85,7 +116,32 @@ fn local_path(uri: &str) -> Result<PathBuf, IoError> {
 
 /// The Parquet files of a source: the file itself, or a directory's `*.parquet` files (recursively)
 /// in path order.
-pub fn list_files(uri: &str) -> Result<Vec<PathBuf>, IoError> {
+pub fn list_files(uri: &str) -> Result<Vec<SourceFile>, IoError> {
+    if crate::remote::is_remote(uri) {
+        let objects = crate::remote::list(uri)?;
+        if objects.is_empty() {
+            return Err(IoError::EmptySource {
+                source_uri: uri.to_string(),
+            });
+        }
+        return objects
+            .into_iter()
+            .map(|object| {
+                let path = resolve(&object)?;
+                Ok(SourceFile { uri: object, path })
+            })
+            .collect();
+    }
+    Ok(list_local_files(uri)?
+        .into_iter()
+        .map(|path| SourceFile {
+            uri: path.to_string_lossy().into_owned(),
+            path,
+        })
+        .collect())
+}
+
+fn list_local_files(uri: &str) -> Result<Vec<PathBuf>, IoError> {
     let root = local_path(uri)?;
     let metadata = std::fs::metadata(&root).map_err(|source| IoError::Read {
         path: root.clone(),
@@ -149,7 +205,7 @@ pub fn plan_partitions(
     let files = list_files(uri)?;
     let mut partitions = Vec::new();
     let mut first_schema: Option<(PathBuf, Vec<String>)> = None;
-    for path in files {
+    for SourceFile { uri, path } in files {
         let meta = metadata(&path)?;
         let schema = meta.file_metadata().schema_descr();
         let names: Vec<String> = schema
@@ -186,7 +242,6 @@ pub fn plan_partitions(
                 })
                 .collect::<Result<_, _>>()?
         };
-        let uri = path.to_string_lossy().into_owned();
         let mut current = ParquetPartition {
             files: vec![FileSlice {
                 uri: uri.clone(),
@@ -228,7 +283,7 @@ pub fn plan_partitions(
 pub fn read_partition(partition: &ParquetPartition) -> Result<RecordBatch, IoError> {
     let mut batches = Vec::with_capacity(partition.files.len());
     for slice in &partition.files {
-        let path = local_path(&slice.uri)?;
+        let path = resolve(&slice.uri)?;
         batches.push(read_file(
             &path,
             &partition.columns,
@@ -261,7 +316,7 @@ pub fn read_source(
     let files = list_files(uri)?;
     let footers = files
         .iter()
-        .map(|path| metadata(path))
+        .map(|file| metadata(&file.path))
         .collect::<Result<Vec<_>, IoError>>()?;
     let counts: Vec<usize> = footers.iter().map(|m| m.num_row_groups()).collect();
     let total_groups: usize = counts.iter().sum();
@@ -277,7 +332,7 @@ pub fn read_source(
     let mut batches = Vec::new();
     let mut first_group = 0u32;
     let (mut read_groups, mut skipped_groups) = (0usize, 0usize);
-    for ((path, &groups), footer) in files.iter().zip(&counts).zip(&footers) {
+    for ((SourceFile { path, .. }, &groups), footer) in files.iter().zip(&counts).zip(&footers) {
         let mut wanted: Option<Vec<u32>> = row_groups.map(|all| {
             all.iter()
                 .filter(|&&g| g >= first_group && g < first_group + groups as u32)
@@ -320,7 +375,7 @@ pub fn read_source(
     }
     let batch = if batches.is_empty() {
         // Every row group was excluded: an empty table with the source's schema.
-        read_file(&files[0], columns, Some(&[]))?
+        read_file(&files[0].path, columns, Some(&[]))?
     } else {
         concat_file_batches(batches)?
     };
@@ -427,7 +482,20 @@ fn read_file(
 }
 
 /// Writes `batch` as `<sink>/<name>.parquet` (zstd-compressed), creating the directory.
-pub fn write_table(sink_uri: &str, name: &str, batch: &RecordBatch) -> Result<PathBuf, IoError> {
+pub fn write_table(sink_uri: &str, name: &str, batch: &RecordBatch) -> Result<String, IoError> {
+    if crate::remote::is_remote(sink_uri) {
+        let staging = tempfile::Builder::new()
+            .prefix("wrk-sink-")
+            .tempdir()
+            .map_err(|e| IoError::Write {
+                path: std::env::temp_dir(),
+                detail: e.to_string(),
+            })?;
+        let local = write_table(&staging.path().to_string_lossy(), name, batch)?;
+        let object = format!("{}/{name}.parquet", sink_uri.trim_end_matches('/'));
+        crate::remote::put(&object, Path::new(&local))?;
+        return Ok(object);
+    }
     let dir = local_path(sink_uri)?;
     let path = dir.join(format!("{name}.parquet"));
     let write_err = |detail: String| IoError::Write {
@@ -437,7 +505,7 @@ pub fn write_table(sink_uri: &str, name: &str, batch: &RecordBatch) -> Result<Pa
     std::fs::create_dir_all(&dir).map_err(|e| write_err(e.to_string()))?;
     write_file(&path, std::slice::from_ref(batch), 1 << 20)
         .map_err(|e| write_err(e.to_string()))?;
-    Ok(path)
+    Ok(path.to_string_lossy().into_owned())
 }
 
 /// Writes batches to one Parquet file with row groups of at most `row_group_rows` rows, through a

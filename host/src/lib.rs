@@ -21,6 +21,7 @@ pub mod io;
 pub mod limits;
 pub mod metrics;
 mod prune;
+pub mod remote;
 pub mod store;
 pub mod table;
 pub mod transfer;

@@ -109,7 +109,7 @@ impl Host for TaskState {
         );
         let table = self.table.get(&data)?.clone();
         match crate::io::write_table(&uri, &object, table.batch()) {
-            Ok(path) => Ok(Ok(path.to_string_lossy().into_owned())),
+            Ok(location) => Ok(Ok(location)),
             Err(e) => Ok(Err(error(ErrorCode::Io, format!("sink `{sink}`: {e}")))),
         }
     }
