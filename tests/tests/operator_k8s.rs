@@ -613,10 +613,11 @@ async fn placement_status_and_probes(apis: &Apis) {
     assert!(ports.iter().all(|p| p.protocol.as_deref() == Some("TCP")));
     assert_eq!(service_annotations["prometheus.io/scrape"], "true");
     assert_eq!(service_annotations["prometheus.io/port"], "9090");
-    let deployment = deployments
-        .get("demo-scheduler")
-        .await
-        .expect("scheduler Deployment");
+    // The controller applies the Service and the Deployment one after the other: wait for both.
+    let deployment = wait_for("scheduler Deployment", Duration::from_secs(60), || async {
+        deployments.get_opt("demo-scheduler").await.ok().flatten()
+    })
+    .await;
     let owner = &deployment
         .metadata
         .owner_references
@@ -836,7 +837,7 @@ fn scale_manifest() -> serde_json::Value {
     })
 }
 
-const SCALE_IDLE_SECS: u64 = 8;
+const SCALE_IDLE_SECS: u64 = 15;
 
 /// The `scale` cluster's desired counts per group, from its status.
 async fn desired_by_group(apis: &Apis) -> Option<Vec<(String, u32, u32)>> {
