@@ -196,13 +196,19 @@ impl TaskEngine {
     }
 
     fn build(config: EngineConfig) -> wasmtime::Result<Self> {
+        const DECOMMIT_BATCH: usize = 8;
         let mut pool = PoolingAllocationConfig::default();
-        let components = config.max_concurrent_tasks.max(1) * 2 + 4;
+        let components = config.max_concurrent_tasks.max(1) * 2 + 4 + DECOMMIT_BATCH as u32;
         pool.total_component_instances(components)
             .total_core_instances(components * 16)
             .total_memories(components * 4)
             .total_tables(components * 8)
-            .max_memory_size(config.default_task_memory.max(64 << 20) as usize * 4);
+            .max_memory_size(config.default_task_memory.max(64 << 20) as usize * 4)
+            // Returning a finished task's memory to the OS flushes the TLB of every core; doing
+            // it for several instances at once costs one flush instead of one per task (+13%
+            // no-op tasks/s). Up to this many finished guests' memories stay resident meanwhile:
+            // guests are small, their data lives in the host.
+            .decommit_batch_size(DECOMMIT_BATCH);
         let mut wasm_config = Config::new();
         wasm_config
             .wasm_component_model(true)
