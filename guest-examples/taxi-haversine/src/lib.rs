@@ -68,7 +68,8 @@ fn summary(partials: &[Table]) -> Result<Table> {
             "mean_km",
             col("total_km") / col("trips").cast(DataType::Float64),
         )?
-        .select(["passenger_count", "trips", "total_km", "mean_km"])
+        .select(["passenger_count", "trips", "total_km", "mean_km"])?
+        .sort([asc("passenger_count")])
 }
 
 /// The column `name`, in degrees, converted to radians.
