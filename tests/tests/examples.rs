@@ -276,3 +276,31 @@ fn word_count_matches_the_reference() {
         .collect();
     assert_eq!(got, expected);
 }
+
+#[test]
+fn predicate_pushdown_from_a_guest_matches_the_reference() {
+    let data = taxi_with_dimensions();
+    let trips_dir = data.path().join("taxi");
+    let result = submit("zone-filter", &[("trips", &trips_dir)], &["below=12"]);
+    let trips = read(&trips_dir);
+    let mut expected: BTreeMap<i64, (i64, f64)> = BTreeMap::new();
+    for (zone, fare) in i64s(&trips, "pickup_zone")
+        .into_iter()
+        .zip(f64s(&trips, "fare_amount"))
+    {
+        if zone < 12 {
+            let e = expected.entry(zone).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += fare;
+        }
+    }
+    assert_eq!(
+        i64s(&result, "pickup_zone"),
+        expected.keys().copied().collect::<Vec<_>>()
+    );
+    let (counts, sums) = (i64s(&result, "trips"), f64s(&result, "fare_sum"));
+    for (row, (count, sum)) in expected.values().enumerate() {
+        assert_eq!(counts[row], *count);
+        assert_close("fare sum", sums[row], *sum);
+    }
+}

@@ -38,13 +38,14 @@ fn cargo() -> Command {
     command
 }
 
-const GUESTS: [&str; 10] = [
+const GUESTS: [&str; 11] = [
     "taxi-haversine",
     "noop",
     "fare-stats",
     "zone-join",
     "top-fares",
     "word-count",
+    "zone-filter",
     "test-guest-trap",
     "test-guest-spin",
     "test-guest-hog",
