@@ -1255,8 +1255,13 @@ async fn jobs_run_to_the_end(apis: &Apis) {
         env_of(&submit, "WRK_TOKEN").as_deref(),
         Some("secret:scale-tokens/client-token")
     );
-    let (status, ready) = job_state(apis, "taxi", "Ready").await.expect("status");
-    assert_eq!(ready.reason, "Submitted");
+    // The controller creates the Job, then records it in the WrkJob's status: wait for both.
+    let (status, _) = wait_for("taxi Submitted", Duration::from_secs(60), || async {
+        job_state(apis, "taxi", "Ready")
+            .await
+            .filter(|(_, ready)| ready.reason == "Submitted")
+    })
+    .await;
     assert_eq!(status.phase, JobPhase::Pending, "the pod does not run yet");
 
     // Its pod runs, then succeeds (played here, as its kubelet would report it).

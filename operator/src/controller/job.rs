@@ -309,6 +309,8 @@ pub async fn reconcile(job: Arc<WrkJob>, ctx: Arc<Context>) -> Result<Action, Er
                 .await;
         }
         step.status.phase = seen.phase;
+        // Also when the reconcile that created the Job failed before recording it.
+        step.condition("Ready", true, "Submitted", "the submitting Job is created");
         if seen.phase == JobPhase::Running {
             step.condition("Running", true, "Running", "`wrk submit` runs the job");
         } else {
