@@ -296,6 +296,26 @@ fn eval_binary(
     }
 }
 
+/// The `f64` function of a math operator (`sqrt` ... `round`), shared by both evaluation paths.
+pub(super) fn math_fn(op: UnaryOp) -> Option<fn(f64) -> f64> {
+    use UnaryOp::*;
+    Some(match op {
+        Sqrt => f64::sqrt,
+        Exp => f64::exp,
+        Log => f64::ln,
+        Sin => f64::sin,
+        Cos => f64::cos,
+        Tan => f64::tan,
+        Asin => f64::asin,
+        Acos => f64::acos,
+        Atan => f64::atan,
+        Floor => f64::floor,
+        Ceil => f64::ceil,
+        Round => f64::round,
+        Neg | Not | Abs | IsNull | IsNotNull => return None,
+    })
+}
+
 fn eval_unary(op: UnaryOp, arg: Value, arg_type: &DataType) -> Result<Value, ArrowError> {
     use UnaryOp::*;
     match op {
@@ -321,20 +341,9 @@ fn eval_unary(op: UnaryOp, arg: Value, arg_type: &DataType) -> Result<Value, Arr
             })
         }
         _ => {
-            let f: fn(f64) -> f64 = match op {
-                Sqrt => f64::sqrt,
-                Exp => f64::exp,
-                Log => f64::ln,
-                Sin => f64::sin,
-                Cos => f64::cos,
-                Tan => f64::tan,
-                Asin => f64::asin,
-                Acos => f64::acos,
-                Atan => f64::atan,
-                Floor => f64::floor,
-                Ceil => f64::ceil,
-                _ => f64::round,
-            };
+            let f = math_fn(op).ok_or_else(|| {
+                ArrowError::InvalidArgumentError(format!("{op:?} is not a math function"))
+            })?;
             arg.cast(&DataType::Float64)?.map(|a| {
                 let result: Float64Array = unary(a.as_primitive::<Float64Type>(), f);
                 Ok(Arc::new(result) as ArrayRef)

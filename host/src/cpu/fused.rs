@@ -17,8 +17,8 @@ use arrow::array::{Array, ArrayRef, AsArray, BooleanArray, Float64Array, Int64Ar
 use arrow::buffer::NullBuffer;
 use arrow::compute;
 use arrow::datatypes::{
-    DataType, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type, Schema,
-    UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+    ArrowPrimitiveType, DataType, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type,
+    Int64Type, Schema, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
 };
 use arrow::record_batch::RecordBatch;
 
@@ -70,6 +70,15 @@ enum Values {
 }
 
 impl Values {
+    fn kind(&self) -> Kind {
+        match self {
+            Values::F64(_) => Kind::F64,
+            Values::I64(_) => Kind::I64,
+            Values::U64(_) => Kind::U64,
+            Values::Bool(_) => Kind::Bool,
+        }
+    }
+
     fn new(kind: Kind) -> Self {
         match kind {
             Kind::F64 => Values::F64(vec![0.0; BLOCK]),
@@ -275,12 +284,7 @@ impl Compiler<'_> {
     }
 
     fn kind(&self, reg: Reg) -> Kind {
-        match self.program.registers[reg].values {
-            Values::F64(_) => Kind::F64,
-            Values::I64(_) => Kind::I64,
-            Values::U64(_) => Kind::U64,
-            Values::Bool(_) => Kind::Bool,
-        }
+        self.program.registers[reg].values.kind()
     }
 
     fn type_of(&self, expr: &Expr) -> Result<DataType, String> {
@@ -448,12 +452,7 @@ fn kind_of_type(data_type: Option<DataType>) -> Result<Kind, String> {
 impl Program {
     /// Runs the program over every block and assembles the result column.
     fn run(mut self, rows: usize) -> Result<ArrayRef, String> {
-        let kind = match self.registers[self.result].values {
-            Values::F64(_) => Kind::F64,
-            Values::I64(_) => Kind::I64,
-            Values::U64(_) => Kind::U64,
-            Values::Bool(_) => Kind::Bool,
-        };
+        let kind = self.registers[self.result].values.kind();
         let mut out = Output::new(kind, rows);
         let steps = std::mem::take(&mut self.steps);
         let mut start = 0;
@@ -537,53 +536,47 @@ impl Program {
 
 /// Copies rows `start..start + len` of `array` into `out`, widening to the register's kind.
 fn load(array: &ArrayRef, start: usize, len: usize, out: &mut Register) {
-    fn widen<T, U: Copy>(src: &[T], dst: &mut [U], f: impl Fn(&T) -> U) {
-        for (d, s) in dst.iter_mut().zip(src) {
+    /// Rows `start..start + len` of a primitive `array`, converted by `f` into `dst`.
+    fn widen<T: ArrowPrimitiveType, U>(
+        array: &ArrayRef,
+        start: usize,
+        len: usize,
+        dst: &mut [U],
+        f: impl Fn(T::Native) -> U,
+    ) {
+        let src = &array.as_primitive::<T>().values()[start..start + len];
+        for (d, &s) in dst.iter_mut().zip(src) {
             *d = f(s);
         }
     }
     match (&mut out.values, array.data_type()) {
         (Values::F64(dst), DataType::Float64) => dst[..len]
             .copy_from_slice(&array.as_primitive::<Float64Type>().values()[start..start + len]),
-        (Values::F64(dst), DataType::Float32) => widen(
-            &array.as_primitive::<Float32Type>().values()[start..start + len],
-            dst,
-            |v| f64::from(*v),
-        ),
+        (Values::F64(dst), DataType::Float32) => {
+            widen::<Float32Type, _>(array, start, len, dst, f64::from)
+        }
         (Values::I64(dst), DataType::Int64) => dst[..len]
             .copy_from_slice(&array.as_primitive::<Int64Type>().values()[start..start + len]),
-        (Values::I64(dst), DataType::Int32) => widen(
-            &array.as_primitive::<Int32Type>().values()[start..start + len],
-            dst,
-            |v| i64::from(*v),
-        ),
-        (Values::I64(dst), DataType::Int16) => widen(
-            &array.as_primitive::<Int16Type>().values()[start..start + len],
-            dst,
-            |v| i64::from(*v),
-        ),
-        (Values::I64(dst), DataType::Int8) => widen(
-            &array.as_primitive::<Int8Type>().values()[start..start + len],
-            dst,
-            |v| i64::from(*v),
-        ),
+        (Values::I64(dst), DataType::Int32) => {
+            widen::<Int32Type, _>(array, start, len, dst, i64::from)
+        }
+        (Values::I64(dst), DataType::Int16) => {
+            widen::<Int16Type, _>(array, start, len, dst, i64::from)
+        }
+        (Values::I64(dst), DataType::Int8) => {
+            widen::<Int8Type, _>(array, start, len, dst, i64::from)
+        }
         (Values::U64(dst), DataType::UInt64) => dst[..len]
             .copy_from_slice(&array.as_primitive::<UInt64Type>().values()[start..start + len]),
-        (Values::U64(dst), DataType::UInt32) => widen(
-            &array.as_primitive::<UInt32Type>().values()[start..start + len],
-            dst,
-            |v| u64::from(*v),
-        ),
-        (Values::U64(dst), DataType::UInt16) => widen(
-            &array.as_primitive::<UInt16Type>().values()[start..start + len],
-            dst,
-            |v| u64::from(*v),
-        ),
-        (Values::U64(dst), DataType::UInt8) => widen(
-            &array.as_primitive::<UInt8Type>().values()[start..start + len],
-            dst,
-            |v| u64::from(*v),
-        ),
+        (Values::U64(dst), DataType::UInt32) => {
+            widen::<UInt32Type, _>(array, start, len, dst, u64::from)
+        }
+        (Values::U64(dst), DataType::UInt16) => {
+            widen::<UInt16Type, _>(array, start, len, dst, u64::from)
+        }
+        (Values::U64(dst), DataType::UInt8) => {
+            widen::<UInt8Type, _>(array, start, len, dst, u64::from)
+        }
         (Values::Bool(dst), DataType::Boolean) => {
             let values = array.as_boolean().values();
             for (i, d) in dst[..len].iter_mut().enumerate() {
@@ -837,18 +830,8 @@ fn unary(op: UnaryOp, src: &Register, len: usize, out: &mut Register) {
             let f: fn(f64) -> f64 = match op {
                 Neg => |v| -v,
                 Abs => f64::abs,
-                Sqrt => f64::sqrt,
-                Exp => f64::exp,
-                Log => f64::ln,
-                Sin => f64::sin,
-                Cos => f64::cos,
-                Tan => f64::tan,
-                Asin => f64::asin,
-                Acos => f64::acos,
-                Atan => f64::atan,
-                Floor => f64::floor,
-                Ceil => f64::ceil,
-                _ => f64::round,
+                // The compiler plans only numeric unary steps on float registers.
+                _ => super::eval::math_fn(op).unwrap_or(f64::round),
             };
             for i in 0..len {
                 d[i] = f(s[i]);

@@ -134,11 +134,14 @@ pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), Arrow
         first_rows.push(row as u32);
         (first_rows.len() - 1) as u32
     };
+    // Few distinct values in a narrow range (a passenger count, a day of the week): a table
+    // indexed by the value replaces hashing.
+    let narrow = match &encoded {
+        EncodedKeys::Int(values) if values.null_count() == 0 => small_range(values),
+        _ => None,
+    };
     match &encoded {
-        EncodedKeys::Int(values) if values.null_count() == 0 && small_range(values).is_some() => {
-            // Few distinct values in a narrow range (a passenger count, a day of the week): a
-            // table indexed by the value replaces hashing.
-            let (lowest, width) = small_range(values).unwrap_or_default();
+        EncodedKeys::Int(values) if let Some((lowest, width)) = narrow => {
             let mut ids = vec![u32::MAX; width];
             for (row, &value) in values.values().iter().enumerate() {
                 let slot = &mut ids[(value - lowest) as usize];

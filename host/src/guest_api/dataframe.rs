@@ -358,6 +358,17 @@ impl HostColumn for TaskState {
     }
 }
 
+fn host_aggregates(aggregates: Vec<Aggregate>) -> Vec<ops::Aggregate> {
+    aggregates
+        .into_iter()
+        .map(|a| ops::Aggregate {
+            column: a.column,
+            function: aggregate_fn(a.op),
+            alias: a.alias,
+        })
+        .collect()
+}
+
 fn aggregate_fn(op: AggregateOp) -> ops::AggregateFn {
     match op {
         AggregateOp::Sum => ops::AggregateFn::Sum,
@@ -538,14 +549,7 @@ impl HostTable for TaskState {
         aggregates: Vec<Aggregate>,
     ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         let table = self.host_table(&self_)?;
-        let aggregates: Vec<ops::Aggregate> = aggregates
-            .into_iter()
-            .map(|a| ops::Aggregate {
-                column: a.column,
-                function: aggregate_fn(a.op),
-                alias: a.alias,
-            })
-            .collect();
+        let aggregates = host_aggregates(aggregates);
         self.table_result(ops::group_by(table.batch(), &keys, &aggregates).map_err(op_error))
     }
 
@@ -555,14 +559,7 @@ impl HostTable for TaskState {
         aggregates: Vec<Aggregate>,
     ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         let table = self.host_table(&self_)?;
-        let aggregates: Vec<ops::Aggregate> = aggregates
-            .into_iter()
-            .map(|a| ops::Aggregate {
-                column: a.column,
-                function: aggregate_fn(a.op),
-                alias: a.alias,
-            })
-            .collect();
+        let aggregates = host_aggregates(aggregates);
         self.table_result(ops::aggregate(table.batch(), &aggregates).map_err(op_error))
     }
 
