@@ -112,20 +112,7 @@ fn dashboard_and_report_show_the_job_that_just_ran() {
     let scheduler = start_scheduler(&mut processes, &[], &[]);
     let (url, http) = (scheduler.url.clone(), scheduler.http.clone());
     for id in ["w1", "w2"] {
-        let worker = Command::new(wrk())
-            .args([
-                "worker",
-                "--scheduler",
-                &url,
-                "--listen",
-                "127.0.0.1:0",
-                "--id",
-                id,
-            ])
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start wrk worker");
-        processes.0.push(worker);
+        processes.0.push(start_worker(&url, id, &[]));
     }
     wait_for_workers(&url, 2, None);
     let out = tempfile::tempdir().unwrap();

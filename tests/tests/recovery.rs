@@ -4,31 +4,10 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::*;
-
-fn start_worker(url: &str, id: &str, cache: &Path) -> Child {
-    Command::new(wrk())
-        .args([
-            "worker",
-            "--scheduler",
-            url,
-            "--listen",
-            "127.0.0.1:0",
-            "--slots",
-            "1",
-            "--id",
-            id,
-        ])
-        .arg("--cache-dir")
-        .arg(cache)
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start wrk worker")
-}
 
 #[test]
 fn killing_a_worker_mid_job_ten_times_still_gives_the_reference_answer() {
@@ -66,7 +45,9 @@ inputs = ["distance"]
     )
     .unwrap();
 
-    let cache = dir.path().join("cache");
+    let cache = dir.path().join("cache").to_string_lossy().into_owned();
+    // One slot each, so a kill always catches tasks in flight; one compiled-component cache.
+    let worker_args = ["--slots", "1", "--cache-dir", &cache];
     let mut processes = Processes(Vec::new());
     let scheduler = start_scheduler(
         &mut processes,
@@ -75,7 +56,7 @@ inputs = ["distance"]
     );
     let (url, log) = (scheduler.url.clone(), scheduler.log.clone());
     let mut workers: Vec<Child> = (0..3)
-        .map(|i| start_worker(&url, &format!("w{i}"), &cache))
+        .map(|i| start_worker(&url, &format!("w{i}"), &worker_args))
         .collect();
     wait_for_workers(&url, 3, None);
 
@@ -97,7 +78,7 @@ inputs = ["distance"]
         killed.wait().expect("reap the killed worker");
         workers.insert(
             victim,
-            start_worker(&url, &format!("w{victim}-{round}"), &cache),
+            start_worker(&url, &format!("w{victim}-{round}"), &worker_args),
         );
 
         let output = submit.wait_with_output().expect("wait for wrk submit");

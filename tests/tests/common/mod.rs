@@ -239,6 +239,25 @@ impl Drop for Processes {
     }
 }
 
+/// Starts `wrk worker` `id` attached to `url` on a free loopback port, with `extra` arguments and
+/// its log discarded.
+pub fn start_worker(url: &str, id: &str, extra: &[&str]) -> std::process::Child {
+    Command::new(wrk())
+        .args([
+            "worker",
+            "--scheduler",
+            url,
+            "--listen",
+            "127.0.0.1:0",
+            "--id",
+            id,
+        ])
+        .args(extra)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start wrk worker")
+}
+
 /// A `wrk scheduler` process: its gRPC URL, its HTTP address and its log lines as they arrive.
 pub struct SchedulerProcess {
     pub url: String,
