@@ -74,7 +74,8 @@ pub struct StageEntry {
     /// Consume earlier stages' outputs.
     #[serde(default)]
     pub inputs: Vec<InputEntry>,
-    /// Task count for a stage with neither a source nor one-to-one inputs (default 1).
+    /// Task count for a stage with neither a source nor one-to-one inputs (default 1; for the
+    /// reducers of an exchange, the partition count, by default the mappers' task count).
     pub tasks: Option<u32>,
     #[serde(default)]
     pub params: BTreeMap<String, toml::Value>,
@@ -85,18 +86,23 @@ pub struct StageEntry {
 pub enum InputEntry {
     /// `"stage"`: every output of that stage.
     All(String),
-    /// `{ stage = "x", pattern = "one-to-one" | "all" }`.
+    /// `{ stage = "x", pattern = "one-to-one" | "all" | "broadcast" }`, or
+    /// `{ stage = "x", exchange = "name" }`: the stage's tasks are the reducers of exchange
+    /// `name`, which the tasks of `x` send to.
     Detailed {
         stage: String,
-        pattern: PatternEntry,
+        pattern: Option<PatternEntry>,
+        exchange: Option<String>,
     },
 }
 
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PatternEntry {
     OneToOne,
     All,
+    Broadcast,
+    Shuffle,
 }
 
 /// Overrides given on the command line.
@@ -216,16 +222,35 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
 
         let mut inputs = Vec::new();
         let mut one_to_one_tasks = None;
+        let mut mapper_tasks = None;
         for input in &entry.inputs {
-            let (name, pattern) = match input {
-                InputEntry::All(name) => (name, Pattern::All),
-                InputEntry::Detailed { stage, pattern } => (
+            let (name, pattern, exchange) = match input {
+                InputEntry::All(name) => (name, Pattern::All, String::new()),
+                InputEntry::Detailed {
                     stage,
-                    match pattern {
-                        PatternEntry::OneToOne => Pattern::OneToOne,
-                        PatternEntry::All => Pattern::All,
-                    },
-                ),
+                    pattern,
+                    exchange,
+                } => {
+                    let pattern = match (pattern, exchange) {
+                        (None | Some(PatternEntry::Shuffle), Some(_)) => Pattern::Shuffle,
+                        (Some(PatternEntry::Shuffle), None) => bail!(
+                            "stage `{}`: a shuffle input from `{stage}` needs an `exchange` name (the name its mappers send to)",
+                            entry.name
+                        ),
+                        (Some(other), Some(exchange)) => bail!(
+                            "stage `{}`: input `{stage}` names exchange `{exchange}` but has pattern {other:?}; exchanges are shuffle inputs",
+                            entry.name
+                        ),
+                        (None, None) => bail!(
+                            "stage `{}`: input `{stage}` needs a `pattern` or an `exchange`",
+                            entry.name
+                        ),
+                        (Some(PatternEntry::OneToOne), None) => Pattern::OneToOne,
+                        (Some(PatternEntry::All), None) => Pattern::All,
+                        (Some(PatternEntry::Broadcast), None) => Pattern::Broadcast,
+                    };
+                    (stage, pattern, exchange.clone().unwrap_or_default())
+                }
             };
             let Some(&index) = stage_index.get(name) else {
                 bail!(
@@ -236,9 +261,13 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             if pattern == Pattern::OneToOne {
                 one_to_one_tasks = Some(stages[index as usize].num_tasks);
             }
+            if pattern == Pattern::Shuffle {
+                mapper_tasks = Some(stages[index as usize].num_tasks);
+            }
             inputs.push(StageInput {
                 stage: index,
                 pattern: pattern as i32,
+                exchange,
             });
         }
 
@@ -266,7 +295,8 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
         } else if let Some(n) = one_to_one_tasks {
             n
         } else {
-            entry.tasks.unwrap_or(1)
+            // A reducer stage has as many partitions as it has mappers unless it says otherwise.
+            entry.tasks.or(mapper_tasks).unwrap_or(1)
         };
         stage_index.insert(entry.name.clone(), stages.len() as u32);
         stages.push(Stage {

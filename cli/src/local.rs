@@ -102,6 +102,7 @@ impl LocalCluster {
                 connect_timeout: Duration::from_secs(10),
                 metrics_listen: config.http.map(|_| SocketAddr::from(([127, 0, 0, 1], 0))),
                 token: None,
+                shuffle_port: 0,
             };
             let worker_stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move {

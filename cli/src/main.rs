@@ -206,6 +206,9 @@ struct WorkerArgs {
     /// The worker token the scheduler requires, if any.
     #[arg(long, env = "WRK_WORKER_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// The port receiving shuffle pieces from peers, on the listen IP (0 picks a free one).
+    #[arg(long, env = "WRK_SHUFFLE_PORT", default_value_t = 0)]
+    shuffle_port: u16,
 }
 
 #[derive(clap::Args)]
@@ -331,6 +334,7 @@ async fn main() -> Result<()> {
                 connect_timeout: Duration::from_secs(30),
                 metrics_listen: args.metrics_listen,
                 token: args.token,
+                shuffle_port: args.shuffle_port,
             };
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())
@@ -606,6 +610,7 @@ async fn run_one(args: RunArgs) -> Result<()> {
         sources: args.sources.into_iter().collect(),
         sinks: args.sinks.into_iter().collect(),
         module_name: name.clone(),
+        shuffle: None,
     });
     let run = tokio::task::spawn_blocking(move || -> Result<_> {
         let tables = inputs

@@ -11,6 +11,7 @@
 //! - [`store`]: the worker's partitions.
 //! - [`metrics`]: the worker's Prometheus metrics.
 //! - [`transfer`]: the peer-to-peer partition service and client.
+//! - [`shuffle`]: the P2P shuffle: piece store, transports, a task's exchanges.
 //! - [`worker`]: the worker process: scheduler channel, task execution.
 
 pub mod cpu;
@@ -22,6 +23,7 @@ pub mod limits;
 pub mod metrics;
 mod prune;
 pub mod remote;
+pub mod shuffle;
 pub mod store;
 pub mod table;
 pub mod transfer;

@@ -19,6 +19,7 @@ pub struct WorkerMetrics {
     pub instantiate_duration: Histogram,
     pub guest_copy_bytes: IntCounterVec,
     pub transfer_bytes: IntCounterVec,
+    pub shuffle_bytes: IntCounterVec,
     pub running_tasks: IntGauge,
     pub slots: IntGauge,
     pub partitions: IntGauge,
@@ -113,6 +114,11 @@ impl WorkerMetrics {
                 "Partition bytes moved between workers, by direction and transport",
                 &["direction", "transport"],
             ),
+            shuffle_bytes: counter_vec(
+                "shuffle_bytes_total",
+                "Shuffle piece bytes moved between workers, by direction and transport (local pieces move no bytes)",
+                &["direction", "transport"],
+            ),
             running_tasks: gauge("running_tasks", "Tasks running now"),
             slots: gauge("slots", "Tasks the worker runs at once"),
             partitions: gauge("partitions", "Partitions held"),
@@ -126,6 +132,13 @@ impl WorkerMetrics {
     pub fn count_transfer(&self, direction: &'static str, bytes: usize) {
         self.transfer_bytes
             .with_label_values(&[direction, "tcp"])
+            .inc_by(bytes as u64);
+    }
+
+    /// Counts shuffle bytes in one direction (`sent` or `received`) over one transport.
+    pub fn count_shuffle(&self, direction: &'static str, transport: &'static str, bytes: usize) {
+        self.shuffle_bytes
+            .with_label_values(&[direction, transport])
             .inc_by(bytes as u64);
     }
 

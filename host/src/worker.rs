@@ -25,6 +25,9 @@ use wrk_proto::{
 use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
 use crate::guest_api::{TaskInfo, WIT_VERSION};
 use crate::metrics::WorkerMetrics;
+use crate::shuffle::pieces::PieceStore;
+use crate::shuffle::tcp::TcpReceiver;
+use crate::shuffle::{ShuffleService, TaskShuffle};
 use crate::store::{PartitionId, PartitionStore};
 use crate::table::Table;
 use crate::transfer::{DataService, PeerClient};
@@ -47,6 +50,8 @@ pub struct WorkerConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// The worker token the scheduler requires, if any.
     pub token: Option<String>,
+    /// The port receiving shuffle pieces (on the listen address's IP); 0 picks a free one.
+    pub shuffle_port: u16,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,11 +79,17 @@ pub enum WorkerError {
     SchedulerGone { address: String, detail: String },
 }
 
+/// A broadcast table, fetched once per worker and shared by the tasks that read it.
+type BroadcastCell = Arc<tokio::sync::OnceCell<Table>>;
+
 /// What every task of this worker shares.
 struct Shared {
     worker_id: String,
     engine: TaskEngine,
     store: Arc<PartitionStore>,
+    shuffle: Arc<ShuffleService>,
+    /// Broadcast tables by job and input stage.
+    broadcasts: std::sync::Mutex<HashMap<(String, u32), BroadcastCell>>,
     peers: PeerClient,
     scheduler: SchedulerClient<AuthChannel>,
     outbox: mpsc::Sender<WorkerMessage>,
@@ -161,6 +172,38 @@ pub async fn run(
             ),
     );
 
+    let shuffle_listen = SocketAddr::new(config.listen.ip(), config.shuffle_port);
+    let shuffle_listener =
+        TcpListener::bind(shuffle_listen)
+            .await
+            .map_err(|source| WorkerError::Listen {
+                address: shuffle_listen,
+                source,
+            })?;
+    let shuffle_port = shuffle_listener
+        .local_addr()
+        .map_err(|source| WorkerError::Listen {
+            address: shuffle_listen,
+            source,
+        })?
+        .port();
+    let secret = config.token.as_ref().map(|t| t.as_bytes().to_vec());
+    let pieces = Arc::new(PieceStore::new());
+    let shuffle_server = tokio::spawn(
+        Arc::new(TcpReceiver {
+            store: pieces.clone(),
+            secret: secret.clone(),
+            metrics: metrics.clone(),
+        })
+        .serve(shuffle_listener),
+    );
+    let shuffle = Arc::new(ShuffleService::new(
+        worker_id.clone(),
+        pieces,
+        secret,
+        metrics.clone(),
+    ));
+
     let (metrics_server, http_address) = match config.metrics_listen {
         Some(address) => {
             let (server, bound) = serve_metrics(address, metrics.clone(), store.clone()).await?;
@@ -190,6 +233,8 @@ pub async fn run(
         pool_bytes: 0,
         wit_version: WIT_VERSION.into(),
         http_address,
+        shuffle_address: format!("{host}:{shuffle_port}"),
+        ucx_address: Vec::new(),
     };
     let _ = outbox
         .send(WorkerMessage {
@@ -235,6 +280,8 @@ pub async fn run(
         worker_id: worker_id.clone(),
         engine,
         store,
+        shuffle,
+        broadcasts: Default::default(),
         peers: PeerClient::with_metrics(metrics.clone()),
         metrics,
         scheduler,
@@ -269,7 +316,11 @@ pub async fn run(
                     Some(FromScheduler::Release(release)) => {
                         shared.cancel_where(|(job, _, _)| *job == release.job_id);
                         let dropped = shared.store.release_job(&release.job_id);
-                        tracing::debug!(job = %release.job_id, dropped, "released job partitions");
+                        let exchanges = shared.shuffle.store().release_job(&release.job_id);
+                        if let Ok(mut broadcasts) = shared.broadcasts.lock() {
+                            broadcasts.retain(|(job, _), _| *job != release.job_id);
+                        }
+                        tracing::debug!(job = %release.job_id, dropped, exchanges, "released job partitions");
                     }
                     Some(FromScheduler::ReleaseTasks(release)) => {
                         for task in &release.tasks {
@@ -290,6 +341,7 @@ pub async fn run(
     };
     let _ = stop_data.send(());
     let _ = data_server.await;
+    shuffle_server.abort();
     if let Some(server) = metrics_server {
         server.abort();
     }
@@ -490,6 +542,19 @@ async fn execute(
     }
     let input_rows: u64 = inputs.iter().map(|t| t.num_rows() as u64).sum();
     let id = task.task.clone().unwrap_or_default();
+    let shuffle = if task.sends.is_empty() && task.receives.is_empty() {
+        None
+    } else {
+        let shuffle = Arc::new(TaskShuffle::new(
+            shared.shuffle.clone(),
+            tokio::runtime::Handle::current(),
+            &id,
+            task.sends.clone(),
+            task.receives.clone(),
+        ));
+        shuffle.check_inputs().map_err(Failure::retriable)?;
+        Some(shuffle)
+    };
     let grants =
         |g: &std::collections::HashMap<String, wrk_proto::Grant>| -> BTreeMap<String, String> {
             g.iter().map(|(k, v)| (k.clone(), v.uri.clone())).collect()
@@ -504,6 +569,7 @@ async fn execute(
         sources: grants(&task.sources),
         sinks: grants(&task.sinks),
         module_name: task.module_name.clone(),
+        shuffle: shuffle.clone(),
     });
     let defaults = shared.engine.config();
     let limits = task.limits.unwrap_or_default();
@@ -524,8 +590,20 @@ async fn execute(
         runner.engine.run(&compiled, info, inputs, limits, cancel)
     })
     .await
-    .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?
-    .map_err(Failure::fatal)?;
+    .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?;
+    let run = match (run, &shuffle) {
+        (Ok(run), _) => run,
+        // The guest failed on a shuffle problem another attempt may not meet (a peer lost,
+        // pieces missing): say so, so the task is retried rather than failing its job.
+        (Err(e), Some(shuffle)) if shuffle.retriable_failure().is_some() => {
+            return Err(Failure::retriable(e));
+        }
+        (Err(e), _) => return Err(Failure::fatal(e)),
+    };
+    if let Some(shuffle) = &shuffle {
+        shuffle.finish().await.map_err(Failure::retriable)?;
+        shuffle.release_received();
+    }
     let metrics = &shared.metrics;
     metrics
         .task_duration
@@ -593,22 +671,77 @@ async fn load_input(shared: &Arc<Shared>, input: &wrk_proto::TaskInput) -> Resul
                 .map(Table::new)
                 .map_err(Failure::fatal)
         }
-        Some(InputKind::Partition(location)) => {
-            let key = location.key.clone().unwrap_or_default();
-            if location.worker_id == shared.worker_id {
-                return shared.store.get(&PartitionId::from(&key)).ok_or_else(|| {
-                    Failure::retriable(format!(
-                        "partition {key} is no longer held by worker {}",
-                        shared.worker_id
-                    ))
-                });
-            }
-            shared
-                .peers
-                .fetch(&location.address, &key, &location.ticket)
-                .await
-                .map_err(Failure::retriable)
-        }
+        Some(InputKind::Partition(location)) => load_partition(shared, location).await,
+        Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast).await,
         None => Err(Failure::fatal("a task input has no kind")),
     }
+}
+
+/// A partition held here or by a peer.
+async fn load_partition(
+    shared: &Arc<Shared>,
+    location: &wrk_proto::PartitionLocation,
+) -> Result<Table, Failure> {
+    let key = location.key.clone().unwrap_or_default();
+    if location.worker_id == shared.worker_id {
+        return shared.store.get(&PartitionId::from(&key)).ok_or_else(|| {
+            Failure::retriable(format!(
+                "partition {key} is no longer held by worker {}",
+                shared.worker_id
+            ))
+        });
+    }
+    shared
+        .peers
+        .fetch(&location.address, &key, &location.ticket)
+        .await
+        .map_err(Failure::retriable)
+}
+
+/// A broadcast input: the first task of the worker to need it fetches and concatenates the
+/// stage's outputs; the others wait for that and share the table.
+async fn load_broadcast(
+    shared: &Arc<Shared>,
+    broadcast: &wrk_proto::BroadcastInput,
+) -> Result<Table, Failure> {
+    let job_id = broadcast
+        .partitions
+        .first()
+        .and_then(|p| p.key.as_ref())
+        .map(|k| k.job_id.clone())
+        .unwrap_or_default();
+    let cell = shared
+        .broadcasts
+        .lock()
+        .map_err(|_| Failure::fatal("the broadcast cache is poisoned"))?
+        .entry((job_id, broadcast.stage))
+        .or_default()
+        .clone();
+    cell.get_or_try_init(|| async {
+        let mut tables = Vec::with_capacity(broadcast.partitions.len());
+        for location in &broadcast.partitions {
+            tables.push(load_partition(shared, location).await?);
+        }
+        let Some(first) = tables.first() else {
+            return Err(Failure::fatal(format!(
+                "broadcast input from stage #{} has no partitions",
+                broadcast.stage
+            )));
+        };
+        if tables.len() == 1 {
+            return Ok(first.clone());
+        }
+        let schema = first.schema();
+        let batches: Vec<_> = tables.iter().map(|t| t.batch().clone()).collect();
+        arrow::compute::concat_batches(&schema, &batches)
+            .map(Table::new)
+            .map_err(|e| {
+                Failure::fatal(format!(
+                    "broadcast input from stage #{}: its outputs do not concatenate: {e}",
+                    broadcast.stage
+                ))
+            })
+    })
+    .await
+    .cloned()
 }

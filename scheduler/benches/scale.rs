@@ -54,6 +54,7 @@ fn graph(tasks: usize) -> JobSpec {
                 vec![StageInput {
                     stage: 0,
                     pattern: Pattern::OneToOne as i32,
+                    ..Default::default()
                 }],
             ),
             stage(
@@ -62,6 +63,7 @@ fn graph(tasks: usize) -> JobSpec {
                 vec![StageInput {
                     stage: 1,
                     pattern: Pattern::All as i32,
+                    ..Default::default()
                 }],
             ),
         ],

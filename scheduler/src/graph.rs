@@ -34,6 +34,25 @@ pub enum GraphError {
         tasks: u32,
         input_tasks: u32,
     },
+    #[error("stage `{stage}` reads a shuffle input from stage `{input}` without an exchange name")]
+    UnnamedExchange { stage: String, input: String },
+    #[error(
+        "exchange `{exchange}` is declared twice (by stages `{first}` and `{second}`): mappers send to an exchange by name, so names must be unique in a job"
+    )]
+    DuplicateExchange {
+        exchange: String,
+        first: String,
+        second: String,
+    },
+    #[error(
+        "stage `{stage}` names exchange `{exchange}` on a {pattern} input from `{input}`; only shuffle inputs have exchanges"
+    )]
+    ExchangeOnNonShuffle {
+        stage: String,
+        exchange: String,
+        input: String,
+        pattern: &'static str,
+    },
     #[error("stage `{stage}` runs module {hash}, which the job does not include")]
     UnknownModule { stage: String, hash: String },
     #[error("module `{name}` does not match its hash: declared {declared}, actual {actual}")]
@@ -68,6 +87,7 @@ pub fn validate(spec: &JobSpec, known_modules: &HashSet<String>) -> Result<(), G
         modules.insert(hash);
     }
     let mut names: HashMap<&str, usize> = HashMap::new();
+    let mut exchanges: HashMap<&str, &str> = HashMap::new();
     for (index, stage) in spec.stages.iter().enumerate() {
         if stage.name.is_empty() {
             return Err(GraphError::UnnamedStage { index });
@@ -106,6 +126,32 @@ pub fn validate(spec: &JobSpec, known_modules: &HashSet<String>) -> Result<(), G
                     input: input.stage,
                 });
             };
+            match (input.pattern(), input.exchange.as_str()) {
+                (Pattern::Shuffle, "") => {
+                    return Err(GraphError::UnnamedExchange {
+                        stage: stage.name.clone(),
+                        input: upstream.name.clone(),
+                    });
+                }
+                (Pattern::Shuffle, exchange) => {
+                    if let Some(first) = exchanges.insert(exchange, &stage.name) {
+                        return Err(GraphError::DuplicateExchange {
+                            exchange: exchange.to_string(),
+                            first: first.to_string(),
+                            second: stage.name.clone(),
+                        });
+                    }
+                }
+                (_, "") => {}
+                (pattern, exchange) => {
+                    return Err(GraphError::ExchangeOnNonShuffle {
+                        stage: stage.name.clone(),
+                        exchange: exchange.to_string(),
+                        input: upstream.name.clone(),
+                        pattern: pattern.as_str_name(),
+                    });
+                }
+            }
             if input.pattern() == Pattern::OneToOne && upstream.num_tasks != stage.num_tasks {
                 return Err(GraphError::OneToOneMismatch {
                     stage: stage.name.clone(),
@@ -148,6 +194,7 @@ mod tests {
                     inputs: vec![StageInput {
                         stage: 0,
                         pattern: Pattern::All as i32,
+                        ..Default::default()
                     }],
                     ..Default::default()
                 },
@@ -175,9 +222,34 @@ mod tests {
         s.stages[0].inputs.push(StageInput {
             stage: 1,
             pattern: 0,
+            ..Default::default()
         });
         let err = validate(&s, &HashSet::new()).unwrap_err().to_string();
         assert!(err.contains("`map` takes input from stage #1"), "{err}");
+
+        let mut s = spec();
+        s.stages[1].inputs[0].pattern = Pattern::Shuffle as i32;
+        let err = validate(&s, &HashSet::new()).unwrap_err().to_string();
+        assert!(
+            err.contains(
+                "stage `reduce` reads a shuffle input from stage `map` without an exchange name"
+            ),
+            "{err}"
+        );
+        s.stages[1].inputs[0].exchange = "by-key".into();
+        assert_eq!(validate(&s, &HashSet::new()), Ok(()));
+        s.stages.push(Stage {
+            name: "again".into(),
+            ..s.stages[1].clone()
+        });
+        let err = validate(&s, &HashSet::new()).unwrap_err().to_string();
+        assert!(
+            err.contains("exchange `by-key` is declared twice (by stages `reduce` and `again`)"),
+            "{err}"
+        );
+        s.stages[2].inputs[0].pattern = Pattern::All as i32;
+        let err = validate(&s, &HashSet::new()).unwrap_err().to_string();
+        assert!(err.contains("only shuffle inputs have exchanges"), "{err}");
 
         let mut s = spec();
         s.modules[0].wasm.push(0);

@@ -23,6 +23,7 @@ use wrk_proto::{
     task_input,
 };
 
+mod shuffle;
 mod views;
 
 pub use views::{
@@ -124,6 +125,8 @@ struct Job {
     /// When it was submitted and ended, on the scheduler's [`Clock`].
     submitted_us: u64,
     finished_us: Option<u64>,
+    /// Where each reducer stage's partitions are received, and what mappers owe.
+    shuffles: Vec<shuffle::Placement>,
 }
 
 struct Worker {
@@ -138,6 +141,9 @@ struct Worker {
     idle_queued: bool,
     outbox: WorkerOutbox,
     last_seen: Instant,
+    /// Where it receives shuffle pieces over TCP, and its UCX address (empty without UCX).
+    shuffle_address: String,
+    ucx_address: Vec<u8>,
     device: String,
     pool_bytes: u64,
     pool_used_bytes: u64,
@@ -240,16 +246,18 @@ impl Job {
         self.progress.send_replace(progress);
     }
 
-    /// The tasks whose outputs task `(stage, index)` reads, in input order.
+    /// The tasks whose outputs task `(stage, index)` reads, in input order (shuffle inputs
+    /// are not outputs: their pieces wait on the reducer's worker).
     fn inputs_of(&self, stage: u32, index: u32) -> Vec<(u32, u32)> {
         let mut inputs = Vec::new();
         for input in &self.spec.stages[stage as usize].inputs {
             match input.pattern() {
                 Pattern::OneToOne => inputs.push((input.stage, index)),
-                Pattern::All => {
+                Pattern::All | Pattern::Broadcast => {
                     let count = self.spec.stages[input.stage as usize].num_tasks;
                     inputs.extend((0..count).map(|i| (input.stage, i)));
                 }
+                Pattern::Shuffle => {}
             }
         }
         inputs
@@ -269,9 +277,10 @@ impl Job {
         consumers.is_empty()
             || consumers.iter().any(|&(consumer, pattern)| match pattern {
                 Pattern::OneToOne => !self.is_done(consumer, index),
-                Pattern::All => {
+                Pattern::All | Pattern::Broadcast => {
                     self.done[consumer as usize] < self.spec.stages[consumer as usize].num_tasks
                 }
+                Pattern::Shuffle => false,
             })
     }
 
@@ -287,13 +296,13 @@ impl Job {
             match input.pattern() {
                 Pattern::OneToOne => candidates.push((input.stage, index)),
                 // Only the consumer stage's last task frees everything it gathered.
-                Pattern::All
+                Pattern::All | Pattern::Broadcast
                     if self.done[stage as usize] == self.spec.stages[stage as usize].num_tasks =>
                 {
                     let count = self.spec.stages[input.stage as usize].num_tasks;
                     candidates.extend((0..count).map(|i| (input.stage, i)));
                 }
-                Pattern::All => {}
+                Pattern::All | Pattern::Broadcast | Pattern::Shuffle => {}
             }
         }
         let mut by_worker: HashMap<String, Vec<(u32, u32)>> = HashMap::new();
@@ -310,6 +319,43 @@ impl Job {
             }
         }
         by_worker
+    }
+
+    /// Sets to run again the finished tasks whose outputs are lost (released, or on a worker
+    /// that is gone) while an unfinished task needs them, and resends lost shuffle pieces;
+    /// recomputing one can make the lost inputs it reads needed again, so it repeats until
+    /// nothing changes. Returns how many tasks and partitions it set to run again.
+    fn recover(&mut self, workers: &HashMap<String, Worker>, offset: usize) -> usize {
+        let mut recompute = 0;
+        loop {
+            let moved = self.repair_shuffles(workers, offset);
+            recompute += moved;
+            let lost_and_needed: Vec<(u32, u32)> = self
+                .tasks
+                .iter()
+                .enumerate()
+                .flat_map(|(s, tasks)| {
+                    tasks
+                        .iter()
+                        .enumerate()
+                        .map(move |(i, t)| (s as u32, i as u32, t))
+                })
+                .filter(|(s, i, t)| {
+                    matches!(&t.status, TaskStatus::Done { worker, .. }
+                        if t.outputs_released || !workers.contains_key(worker))
+                        && self.is_needed(*s, *i)
+                })
+                .map(|(s, i, _)| (s, i))
+                .collect();
+            if lost_and_needed.is_empty() && moved == 0 {
+                return recompute;
+            }
+            for (s, i) in lost_and_needed {
+                self.set_status(s, i, TaskStatus::Ready);
+                self.tasks[s as usize][i as usize].outputs_released = false;
+                recompute += 1;
+            }
+        }
     }
 
     /// Final stages: those no other stage consumes.
@@ -333,7 +379,8 @@ impl Job {
                     .inputs_of(stage, index)
                     .into_iter()
                     .filter(|&(s, i)| !self.is_done(s, i))
-                    .count() as u32;
+                    .count() as u32
+                    + u32::from(!self.shuffle_inputs_ready(stage));
                 let entry = &mut self.tasks[stage as usize][index as usize];
                 if missing == 0 {
                     entry.status = TaskStatus::Ready;
@@ -375,7 +422,10 @@ fn remote_transfers(
         .iter()
         .map(|i| match i.pattern() {
             Pattern::OneToOne => 1,
-            Pattern::All => job.spec.stages[i.stage as usize].num_tasks as usize,
+            Pattern::All | Pattern::Broadcast => {
+                job.spec.stages[i.stage as usize].num_tasks as usize
+            }
+            Pattern::Shuffle => 0,
         })
         .sum();
     let many = count > 8;
@@ -411,11 +461,12 @@ fn remote_transfers(
     for input in inputs {
         match input.pattern() {
             Pattern::OneToOne => visit(input.stage, index),
-            Pattern::All => {
+            Pattern::All | Pattern::Broadcast => {
                 for i in 0..job.spec.stages[input.stage as usize].num_tasks {
                     visit(input.stage, i);
                 }
             }
+            Pattern::Shuffle => {}
         }
     }
     sources
@@ -516,6 +567,8 @@ impl State {
                 idle_queued: false,
                 outbox,
                 last_seen: Instant::now(),
+                shuffle_address: register.shuffle_address.clone(),
+                ucx_address: register.ucx_address.clone(),
                 device: register.device.clone(),
                 pool_bytes: register.pool_bytes,
                 pool_used_bytes: 0,
@@ -603,7 +656,9 @@ impl State {
             records: None,
             submitted_us: self.clock.now_us(),
             finished_us: None,
+            shuffles: Vec::new(),
         };
+        job.shuffles = shuffle::placements(&job.spec);
         for (stage, index) in job.recount() {
             self.ready.push_back(TaskRef {
                 job: number,
@@ -648,6 +703,8 @@ impl State {
     /// a task's input bytes.
     pub fn dispatch(&mut self) -> Outgoing {
         let mut out = Vec::new();
+        // Reducers whose worker is full wait for it, behind the tasks that can run now.
+        let mut pinned_waiting = Vec::new();
         while self.has_free_worker() {
             let Some(task) = self.ready.pop_front() else {
                 break;
@@ -658,6 +715,22 @@ impl State {
             if is_terminal(job.state)
                 || job.tasks[task.stage as usize][task.index as usize].status != TaskStatus::Ready
             {
+                continue;
+            }
+            if !self.workers.is_empty() && job.has_dead_targets(task.stage, &self.workers) {
+                // Every worker was lost at some point: place the exchange's partitions again.
+                self.recover_job(task.job);
+                self.ready.push_back(task);
+                continue;
+            }
+            if let Some(pinned) = job.pinned_worker(task.stage, task.index) {
+                if self.workers.get(pinned).is_some_and(|w| w.free() > 0) {
+                    let pinned = pinned.to_string();
+                    out.push(self.start(task, &pinned));
+                    self.requeue_if_free(&pinned);
+                } else {
+                    pinned_waiting.push(task);
+                }
                 continue;
             }
             let worker_id = match self.local_worker(job, task) {
@@ -679,7 +752,25 @@ impl State {
             out.push(self.start(task, &worker_id));
             self.requeue_if_free(&worker_id);
         }
+        self.ready.extend(pinned_waiting);
         out
+    }
+
+    /// Runs [`Job::recover`] on a job and queues what became ready.
+    fn recover_job(&mut self, number: u64) {
+        let Some(job) = self.jobs.get_mut(&number) else {
+            return;
+        };
+        if job.recover(&self.workers, number as usize) > 0 {
+            for (stage, index) in job.recount() {
+                self.ready.push_back(TaskRef {
+                    job: number,
+                    stage,
+                    index,
+                });
+            }
+            job.publish();
+        }
     }
 
     /// Whether some worker has room, dropping stale entries (full or gone) from the idle queue.
@@ -754,6 +845,7 @@ impl State {
             job.state = JobState::Running;
         }
         job.publish();
+        let sends = job.exchange_targets(task.stage, task.index, &self.workers, task.job as usize);
         let job = &self.jobs[&task.job];
         let stage = &job.spec.stages[task.stage as usize];
         let mut inputs = Vec::new();
@@ -762,15 +854,42 @@ impl State {
                 kind: Some(task_input::Kind::Parquet(partition.clone())),
             });
         }
-        for (s, i) in job.inputs_of(task.stage, task.index) {
-            if let TaskStatus::Done { worker, outputs } = &job.tasks[s as usize][i as usize].status
-            {
-                for (output, meta) in outputs.iter().enumerate() {
-                    let location = self.location(&job.id, (s, i, output as u32), worker, meta);
-                    inputs.push(TaskInput {
-                        kind: Some(task_input::Kind::Partition(location)),
-                    });
+        let outputs_of = |s: u32, i: u32| -> Vec<PartitionLocation> {
+            match &job.tasks[s as usize][i as usize].status {
+                TaskStatus::Done { worker, outputs } => outputs
+                    .iter()
+                    .enumerate()
+                    .map(|(output, meta)| {
+                        self.location(&job.id, (s, i, output as u32), worker, meta)
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            }
+        };
+        for input in &stage.inputs {
+            let count = job.spec.stages[input.stage as usize].num_tasks;
+            match input.pattern() {
+                Pattern::OneToOne => {
+                    inputs.extend(outputs_of(input.stage, task.index).into_iter().map(|l| {
+                        TaskInput {
+                            kind: Some(task_input::Kind::Partition(l)),
+                        }
+                    }))
                 }
+                Pattern::All => inputs.extend((0..count).flat_map(|i| {
+                    outputs_of(input.stage, i).into_iter().map(|l| TaskInput {
+                        kind: Some(task_input::Kind::Partition(l)),
+                    })
+                })),
+                Pattern::Broadcast => inputs.push(TaskInput {
+                    kind: Some(task_input::Kind::Broadcast(wrk_proto::BroadcastInput {
+                        stage: input.stage,
+                        partitions: (0..count)
+                            .flat_map(|i| outputs_of(input.stage, i))
+                            .collect(),
+                    })),
+                }),
+                Pattern::Shuffle => {}
             }
         }
         let mut params = job.spec.params.clone();
@@ -796,6 +915,8 @@ impl State {
             sources: job.spec.sources.clone(),
             sinks: job.spec.sinks.clone(),
             limits: job.spec.limits,
+            sends,
+            receives: job.exchange_sources(task.stage, task.index),
         };
         let worker = self
             .workers
@@ -862,6 +983,13 @@ impl State {
             &transfers,
             None,
         );
+        if job.mapper_finished(task.stage, task.index) {
+            // Pieces it sent were lost with a worker while it ran: it sends them again.
+            job.set_status(task.stage, task.index, TaskStatus::Ready);
+            self.ready.push_back(task);
+            job.publish();
+            return self.dispatch();
+        }
         job.set_status(
             task.stage,
             task.index,
@@ -886,10 +1014,21 @@ impl State {
             .tasks_finished
             .with_label_values(&[stage.as_str(), "succeeded"])
             .inc();
+        job.reducer_finished(task.stage, task.index);
+        let stage_done =
+            job.done[task.stage as usize] == job.spec.stages[task.stage as usize].num_tasks;
+        let mut exchanges_complete = false;
         for &(consumer, pattern) in &job.consumers[task.stage as usize] {
             let indices: Vec<u32> = match pattern {
                 Pattern::OneToOne => vec![task.index],
-                Pattern::All => (0..job.spec.stages[consumer as usize].num_tasks).collect(),
+                Pattern::All | Pattern::Broadcast => {
+                    (0..job.spec.stages[consumer as usize].num_tasks).collect()
+                }
+                // Reducers wait for every mapper: the last one makes them ready (below).
+                Pattern::Shuffle => {
+                    exchanges_complete |= stage_done;
+                    Vec::new()
+                }
             };
             for index in indices {
                 let entry = &mut job.tasks[consumer as usize][index as usize];
@@ -905,6 +1044,16 @@ impl State {
                         TaskStatus::Waiting(n - 1)
                     };
                 }
+            }
+        }
+        if exchanges_complete {
+            job.mappers_all_done(task.stage);
+            for (stage, index) in job.recount() {
+                self.ready.push_back(TaskRef {
+                    job: task.job,
+                    stage,
+                    index,
+                });
             }
         }
         let released = job.release_unneeded_inputs(task.stage, task.index);
@@ -1146,6 +1295,7 @@ impl State {
         let mut backlog_tasks = 0u64;
         let mut backlog_seconds = 0.0f64;
         for job in self.jobs.values().filter(|j| !j.released) {
+            holding.extend(job.shuffle_holders());
             for (stage, tasks) in job.tasks.iter().enumerate() {
                 for task in tasks {
                     if let TaskStatus::Done { worker, .. } = &task.status
@@ -1236,34 +1386,9 @@ impl State {
                     }
                 }
             }
-            // Recompute lost outputs that are still needed; recomputing one can make the lost
-            // inputs it reads needed again, so repeat until nothing changes.
-            loop {
-                let lost_and_needed: Vec<(u32, u32)> = job
-                    .tasks
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(s, tasks)| {
-                        tasks
-                            .iter()
-                            .enumerate()
-                            .map(move |(i, t)| (s as u32, i as u32, t))
-                    })
-                    .filter(|(s, i, t)| {
-                        matches!(&t.status, TaskStatus::Done { worker, .. }
-                            if t.outputs_released || !workers.contains_key(worker))
-                            && job.is_needed(*s, *i)
-                    })
-                    .map(|(s, i, _)| (s, i))
-                    .collect();
-                if lost_and_needed.is_empty() {
-                    break;
-                }
-                for (s, i) in lost_and_needed {
-                    job.set_status(s, i, TaskStatus::Ready);
-                    job.tasks[s as usize][i as usize].outputs_released = false;
-                    recompute += 1;
-                }
+            let recomputed = job.recover(workers, number as usize);
+            if recomputed > 0 {
+                recompute += recomputed;
                 touched = true;
             }
             if touched {
@@ -1466,12 +1591,12 @@ mod tests {
     use super::*;
     use wrk_proto::{Register, Stage, StageInput};
 
-    type Inbox = mpsc::UnboundedReceiver<Result<SchedulerMessage, tonic::Status>>;
+    pub(super) type Inbox = mpsc::UnboundedReceiver<Result<SchedulerMessage, tonic::Status>>;
 
     /// The tenant of the tests' jobs.
-    const T: &str = "tenant";
+    pub(super) const T: &str = "tenant";
 
-    fn add_worker(state: &mut State, id: &str, slots: u32) -> Inbox {
+    pub(super) fn add_worker(state: &mut State, id: &str, slots: u32) -> Inbox {
         let (tx, rx) = mpsc::unbounded_channel();
         state
             .register_worker(
@@ -1505,6 +1630,7 @@ mod tests {
                     inputs: vec![StageInput {
                         stage: 0,
                         pattern: Pattern::All as i32,
+                        ..Default::default()
                     }],
                     ..Default::default()
                 },
@@ -1513,7 +1639,7 @@ mod tests {
         }
     }
 
-    fn assigned(out: &Outgoing) -> Vec<AssignTask> {
+    pub(super) fn assigned(out: &Outgoing) -> Vec<AssignTask> {
         out.iter()
             .filter_map(|(_, m)| match &m.kind {
                 Some(ToWorker::Assign(a)) => Some(a.clone()),
@@ -1530,7 +1656,7 @@ mod tests {
         }
     }
 
-    fn worker_of(state: &State, task: &AssignTask) -> String {
+    pub(super) fn worker_of(state: &State, task: &AssignTask) -> String {
         let id = task.task.as_ref().unwrap();
         let number = state.job_ids[&id.job_id];
         match &state.jobs[&number].tasks[id.stage as usize][id.index as usize].status {
@@ -1540,7 +1666,7 @@ mod tests {
     }
 
     /// The job's state, after checking its incremental counters against its tasks.
-    fn job_state(state: &State, id: &str) -> JobState {
+    pub(super) fn job_state(state: &State, id: &str) -> JobState {
         let job = &state.jobs[&state.job_ids[id]];
         if job.released {
             assert!(job.tasks.is_empty(), "a released job keeps no tasks");
@@ -1732,6 +1858,7 @@ mod tests {
         reduce.inputs = vec![StageInput {
             stage: 1,
             pattern: Pattern::All as i32,
+            ..Default::default()
         }];
         spec.stages.push(reduce);
         spec

@@ -12,6 +12,7 @@
 //! - [`Table`], [`Column`] and [`Expr`] ([`col`], [`lit`], operators) drive the host's
 //!   operators, with [`Table::group_by`] taking aggregates such as [`sum`] and [`count`];
 //! - [`io`] reads and writes Parquet through the sources and sinks the job granted;
+//! - [`shuffle`] sends hash-partitions to the reducers of an exchange and receives one's own;
 //! - [`context`] tells the task who and where it is, hands it its parameters and logs
 //!   ([`info!`], [`warn!`], ...);
 //! - every fallible call returns [`Result`], whose [`Error`] goes back to the host from `run`.
@@ -52,6 +53,7 @@ pub mod bindings;
 pub mod context;
 pub mod io;
 pub mod prelude;
+pub mod shuffle;
 
 mod aggregate;
 mod column;

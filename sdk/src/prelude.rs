@@ -8,6 +8,7 @@ pub use crate::error::{Error, ErrorCode, Result};
 pub use crate::expr::{Expr, col, if_else, lit, when};
 pub use crate::io::{read_parquet, write_parquet};
 pub use crate::order::{SortKey, asc, desc};
+pub use crate::shuffle;
 pub use crate::table::Table;
 pub use crate::task::Task;
 pub use crate::types::{DataType, Field, Scalar};

@@ -1,5 +1,5 @@
 //! The host side of the `wrk:task` WIT contract: generated bindings, the per-task store state and
-//! the implementations of the `dataframe`, `io` and `context` interfaces.
+//! the implementations of the `dataframe`, `io`, `shuffle` and `context` interfaces.
 //!
 //! Guests hold handles (WIT resources) whose host values live in the task's `ResourceTable`; the
 //! values share their data behind `Arc`s, so a guest may drop a table before a column taken from
@@ -8,6 +8,7 @@
 mod context;
 mod dataframe;
 mod io;
+mod shuffle;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -62,6 +63,8 @@ pub struct TaskInfo {
     pub sinks: BTreeMap<String, String>,
     /// The component's human name (its file name), for logs and errors.
     pub module_name: String,
+    /// The exchanges the task sends to and receives from, when it runs in a cluster.
+    pub shuffle: Option<Arc<crate::shuffle::TaskShuffle>>,
 }
 
 /// Bytes a task explicitly copied between host tables and its own memory.

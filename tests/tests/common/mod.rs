@@ -38,7 +38,7 @@ fn cargo() -> Command {
     command
 }
 
-const GUESTS: [&str; 11] = [
+const GUESTS: [&str; 13] = [
     "taxi-haversine",
     "noop",
     "fare-stats",
@@ -46,6 +46,8 @@ const GUESTS: [&str; 11] = [
     "top-fares",
     "word-count",
     "zone-filter",
+    "shuffle-join",
+    "shuffle-groupby",
     "test-guest-trap",
     "test-guest-spin",
     "test-guest-hog",

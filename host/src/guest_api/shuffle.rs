@@ -1,0 +1,111 @@
+//! The `shuffle` interface: a mapper sends hash-partitions of its tables to an exchange, a
+//! reducer receives its own partition, through the task's [`TaskShuffle`].
+
+use wasmtime::component::Resource;
+
+use super::bindings::wrk::task::shuffle::Host;
+use super::wit::{Error, ErrorCode};
+use super::{TaskState, error};
+use crate::cpu::partition;
+use crate::shuffle::{ShuffleError, TaskShuffle};
+use crate::table::Table;
+
+fn shuffle_error(e: ShuffleError) -> Error {
+    let code = match &e {
+        ShuffleError::NotSending { .. }
+        | ShuffleError::NotReceiving { .. }
+        | ShuffleError::PartitionCount { .. } => ErrorCode::InvalidArgument,
+        ShuffleError::Pieces { .. } => ErrorCode::TypeMismatch,
+        ShuffleError::Transport(_) | ShuffleError::Incomplete(_) => ErrorCode::Io,
+    };
+    error(code, e.to_string())
+}
+
+impl TaskState {
+    fn shuffle(&self) -> Result<&TaskShuffle, Error> {
+        self.info.shuffle.as_deref().ok_or_else(|| {
+            error(
+                ErrorCode::InvalidArgument,
+                "this task takes part in no exchange (it runs outside a cluster, or its job declares none)",
+            )
+        })
+    }
+}
+
+impl Host for TaskState {
+    fn outgoing(&mut self) -> wasmtime::Result<Vec<String>> {
+        Ok(self
+            .shuffle()
+            .map(TaskShuffle::outgoing)
+            .unwrap_or_default())
+    }
+
+    fn partitions(&mut self, exchange: String) -> wasmtime::Result<Result<u32, Error>> {
+        Ok(self
+            .shuffle()
+            .and_then(|s| s.partitions(&exchange).map_err(shuffle_error)))
+    }
+
+    fn send(
+        &mut self,
+        exchange: String,
+        data: Resource<Table>,
+        keys: Vec<String>,
+    ) -> wasmtime::Result<Result<(), Error>> {
+        let table = self.table.get(&data)?.clone();
+        let shuffle = match self.shuffle() {
+            Ok(shuffle) => shuffle,
+            Err(e) => return Ok(Err(e)),
+        };
+        let partitions = match shuffle.partitions(&exchange) {
+            Ok(n) => n,
+            Err(e) => return Ok(Err(shuffle_error(e))),
+        };
+        let parts = match partition::hash_partition(table.batch(), &keys, partitions) {
+            Ok(parts) => parts.into_iter().map(Table::new).collect(),
+            Err(e) => {
+                return Ok(Err(error(
+                    ErrorCode::InvalidArgument,
+                    format!("shuffle.send to exchange `{exchange}`: {e}"),
+                )));
+            }
+        };
+        Ok(shuffle.send(&exchange, parts).map_err(shuffle_error))
+    }
+
+    fn send_partitions(
+        &mut self,
+        exchange: String,
+        parts: Vec<Resource<Table>>,
+    ) -> wasmtime::Result<Result<(), Error>> {
+        let mut tables = Vec::with_capacity(parts.len());
+        for part in parts {
+            tables.push(self.table.delete(part)?);
+        }
+        if let Some(first) = tables.first()
+            && let Some(other) = tables.iter().find(|t| t.schema() != first.schema())
+        {
+            return Ok(Err(error(
+                ErrorCode::TypeMismatch,
+                format!(
+                    "shuffle.send-partitions to exchange `{exchange}`: the partitions have different schemas: {:?} and {:?}",
+                    first.schema().fields(),
+                    other.schema().fields()
+                ),
+            )));
+        }
+        Ok(self
+            .shuffle()
+            .and_then(|s| s.send(&exchange, tables).map_err(shuffle_error)))
+    }
+
+    fn receive(&mut self, exchange: String) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+        let received = self
+            .shuffle()
+            .and_then(|s| s.receive(&exchange).map_err(shuffle_error));
+        match received {
+            Ok(table) => Ok(Ok(self.table.push(table)?)),
+            Err(e) => Ok(Err(e)),
+        }
+    }
+}
