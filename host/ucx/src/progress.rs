@@ -978,6 +978,10 @@ impl Progress {
         }
         let mut replies = Vec::new();
         for mut pending in left.into_values() {
+            // SAFETY: the request is outstanding on this worker and freed once; UCX asserts at
+            // worker destruction that every request was handed back. No callback fires for it
+            // afterwards.
+            unsafe { sys::ucp_request_free(pending.request()) };
             if let Pending::Send { reply, .. } = &mut pending {
                 replies.extend(reply.take());
             }

@@ -25,7 +25,9 @@ pub fn checksum(mut state: u64, bytes: &[u8]) -> u64 {
     for word in &mut words {
         let mut w = [0u8; 8];
         w.copy_from_slice(word);
-        state = (state ^ u64::from_le_bytes(w)).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29);
+        state = (state ^ u64::from_le_bytes(w))
+            .wrapping_mul(0x0000_0100_0000_01b3)
+            .rotate_left(29);
     }
     for &b in words.remainder() {
         state = (state ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
