@@ -17,6 +17,7 @@ fn main() {
     let ucx = match pkg_config::Config::new()
         .atleast_version("1.10")
         .cargo_metadata(false)
+        .env_metadata(true)
         .probe("ucx")
     {
         Ok(lib) => lib,

@@ -36,7 +36,7 @@ impl Default for UcxConfig {
             transports: None,
             options: Vec::new(),
             peer_error_handling: false,
-            send_timeout: Some(Duration::from_secs(120)),
+            send_timeout: Some(Duration::from_secs(30)),
             spin: Duration::from_micros(50),
             shutdown_timeout: Duration::from_secs(5),
         }

@@ -67,8 +67,8 @@ struct Events {
     completed: Vec<(u64, sys::ucs_status_t, usize)>,
     /// Active messages that arrived.
     arrivals: Vec<Arrival>,
-    /// Endpoints UCX reported failed (only with peer error handling), by handle address.
-    failed_endpoints: Vec<(usize, sys::ucs_status_t)>,
+    /// Endpoints UCX reported failed (only with peer error handling), by stream id.
+    failed_endpoints: Vec<(u64, sys::ucs_status_t)>,
 }
 
 thread_local! {
@@ -93,7 +93,7 @@ enum ArrivalBody {
     Rendezvous { desc: *mut c_void, len: usize },
 }
 
-fn token_ptr(token: u64) -> *mut c_void {
+fn user_data(token: u64) -> *mut c_void {
     ptr::without_provenance_mut(token as usize)
 }
 
@@ -179,11 +179,12 @@ unsafe extern "C" fn on_recv_done(
 }
 
 unsafe extern "C" fn on_endpoint_error(
-    _arg: *mut c_void,
-    ep: sys::ucp_ep_h,
+    arg: *mut c_void,
+    _ep: sys::ucp_ep_h,
     status: sys::ucs_status_t,
 ) {
-    EVENTS.with_borrow_mut(|events| events.failed_endpoints.push((ep.addr(), status)));
+    let stream = arg.addr() as u64;
+    EVENTS.with_borrow_mut(|events| events.failed_endpoints.push((stream, status)));
 }
 
 /// Owns a UCP context; `ucp_cleanup` on drop.
@@ -245,7 +246,8 @@ struct SendBuffers {
 enum Pending {
     Send {
         request: *mut c_void,
-        ep: sys::ucp_ep_h,
+        /// The endpoint's stream id, which (unlike its handle) is never reused.
+        stream: u64,
         peer: String,
         /// Taken when the caller has been answered (on completion or timeout).
         reply: Option<oneshot::Sender<SendResult>>,
@@ -550,7 +552,7 @@ impl Progress {
         let token = self.token();
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
-            user_data: token_ptr(token),
+            user_data: user_data(token),
             ..Default::default()
         };
         param.cb.send = Some(on_send_done);
@@ -575,10 +577,10 @@ impl Progress {
                 peer: peer_id,
                 status,
             }));
-            self.retire_endpoint(ep);
+            self.retire_endpoint(stream);
             return;
         }
-        if let Some(endpoint) = self.endpoints.values_mut().find(|e| e.ep == ep) {
+        if let Some(endpoint) = self.endpoints.values_mut().find(|e| e.stream == stream) {
             endpoint.next_seq += 1;
         }
         if request.is_null() {
@@ -591,7 +593,7 @@ impl Progress {
             token,
             Pending::Send {
                 request,
-                ep,
+                stream,
                 peer: peer_id,
                 reply: Some(reply),
                 deadline,
@@ -608,6 +610,10 @@ impl Progress {
         if !self.endpoints.contains_key(&peer) {
             let ucx_address = address::decode(&peer)?;
             let peer_id = address::peer_id(&peer);
+            let stream = self
+                .random
+                .hash_one((std::process::id(), self.next_token, &peer));
+            self.next_token += 1;
             let mut params = sys::ucp_ep_params_t {
                 field_mask: u64::from(sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS),
                 address: ucx_address.as_ptr().cast::<sys::ucp_address_t>(),
@@ -620,7 +626,7 @@ impl Progress {
                 params.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
                 params.err_handler = sys::ucp_err_handler_t {
                     cb: Some(on_endpoint_error),
-                    arg: ptr::null_mut(),
+                    arg: user_data(stream),
                 };
             }
             let mut ep = ptr::null_mut();
@@ -636,9 +642,6 @@ impl Progress {
                     status,
                 });
             }
-            let stream = self
-                .random
-                .hash_one((std::process::id(), self.next_token, ep.addr()));
             debug!(peer = %peer_id, stream, "UCX endpoint created");
             self.endpoints.insert(
                 peer.clone(),
@@ -654,11 +657,11 @@ impl Progress {
     }
 
     /// Removes a failed endpoint from the cache and closes it; the next send reconnects.
-    fn retire_endpoint(&mut self, ep: sys::ucp_ep_h) {
+    fn retire_endpoint(&mut self, stream: u64) {
         let Some(key) = self
             .endpoints
             .iter()
-            .find(|(_, e)| e.ep == ep)
+            .find(|(_, e)| e.stream == stream)
             .map(|(k, _)| k.clone())
         else {
             return; // already retired
@@ -673,7 +676,7 @@ impl Progress {
         let token = self.token();
         let mut param = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
-            user_data: token_ptr(token),
+            user_data: user_data(token),
             ..Default::default()
         };
         if self.config.peer_error_handling {
@@ -708,15 +711,11 @@ impl Progress {
         {
             return false;
         }
-        for (ep, status) in events.failed_endpoints {
-            let found = self
-                .endpoints
-                .values()
-                .find(|e| e.ep.addr() == ep)
-                .map(|e| e.ep);
-            if let Some(ep) = found {
-                warn!(status = %Status::new(status), "UCX endpoint failed");
-                self.retire_endpoint(ep);
+        for (stream, status) in events.failed_endpoints {
+            let found = self.endpoints.values().find(|e| e.stream == stream);
+            if let Some(peer) = found.map(|e| e.peer.clone()) {
+                warn!(peer = %peer, status = %Status::new(status), "UCX endpoint failed");
+                self.retire_endpoint(stream);
             }
         }
         let mut touched = Vec::new();
@@ -769,7 +768,7 @@ impl Progress {
                 let mut param = sys::ucp_request_param_t {
                     op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK
                         | sys::UCP_OP_ATTR_FIELD_USER_DATA,
-                    user_data: token_ptr(token),
+                    user_data: user_data(token),
                     ..Default::default()
                 };
                 param.cb.recv_am = Some(on_recv_done);
@@ -823,14 +822,17 @@ impl Progress {
         unsafe { sys::ucp_request_free(pending.request()) };
         match pending {
             Pending::Send {
-                ep, peer, reply, ..
+                stream,
+                peer,
+                reply,
+                ..
             } => {
                 let result = if status == sys::UCS_OK {
                     Ok(())
                 } else {
                     let status = Status::new(status);
                     warn!(peer = %peer, %status, "UCX send failed");
-                    self.retire_endpoint(ep);
+                    self.retire_endpoint(stream);
                     Err(UcxError::Send { peer, status })
                 };
                 if let Some(reply) = reply {
@@ -897,7 +899,7 @@ impl Progress {
         for pending in self.pending.values_mut() {
             if let Pending::Send {
                 request,
-                ep,
+                stream,
                 peer,
                 reply,
                 deadline,
@@ -913,14 +915,14 @@ impl Progress {
                         after,
                     }));
                 }
-                expired.push((*request, *ep));
+                expired.push((*request, *stream));
             }
         }
-        for (request, ep) in expired {
+        for (request, stream) in expired {
             // SAFETY: the request is outstanding on this worker (its callback has not fired, so
             // it is still in `pending`); it stays there until the callback reports completion.
             unsafe { sys::ucp_request_cancel(self.worker.0, request) };
-            self.retire_endpoint(ep);
+            self.retire_endpoint(stream);
         }
     }
 
