@@ -52,7 +52,9 @@ pub struct Message {
 pub(crate) type SendResult = Result<(), UcxError>;
 
 /// One UCX context and worker, driven by its own thread. Cheap to clone; the thread stops on
-/// [`Ucx::shutdown`] or when the last clone is dropped.
+/// [`Ucx::shutdown`] or when the last clone is dropped. Dropping the last clone without
+/// `shutdown` blocks the dropping thread until the progress thread has finished (at most
+/// [`UcxConfig::shutdown_timeout`] plus UCX's teardown): prefer `shutdown().await` in async code.
 #[derive(Clone)]
 pub struct Ucx {
     shared: Arc<Shared>,
