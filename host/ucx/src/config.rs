@@ -1,0 +1,44 @@
+//! [`UcxConfig`]: what the caller may choose about the UCX layer. Anything left unset is UCX's
+//! own default, including whatever the `UCX_*` environment variables say (the configuration is
+//! read with `ucp_config_read`, then the options given here are applied with `ucp_config_modify`).
+
+use std::time::Duration;
+
+/// Settings of one [`crate::Ucx`] instance.
+#[derive(Debug, Clone)]
+pub struct UcxConfig {
+    /// Transport selection, as `UCX_TLS` (e.g. `"tcp"`, `"sm,self"`, `"posix,sysv,cma,self"`).
+    /// `None`: UCX's own choice (or `UCX_TLS` from the environment).
+    pub transports: Option<String>,
+    /// Further UCX options as `(name, value)`, names without the `UCX_` prefix
+    /// (e.g. `("RNDV_THRESH", "64k")`), applied after `transports`.
+    pub options: Vec<(String, String)>,
+    /// Create endpoints with `UCP_ERR_HANDLING_MODE_PEER`, so that a peer's failure completes the
+    /// sends to it with an error quickly. Off by default: in UCX 1.13 this mode disables the
+    /// shared-memory lanes, so everything between two processes of one host goes over TCP.
+    /// Both sides of a pair should use the same setting.
+    pub peer_error_handling: bool,
+    /// A send that UCX has not completed within this time is cancelled (`ucp_request_cancel`)
+    /// and reported as [`crate::UcxError::TimedOut`]; its endpoint is closed and the next send
+    /// to that peer connects again. `None`: wait for UCX however long it takes.
+    pub send_timeout: Option<Duration>,
+    /// After any activity the progress thread keeps polling UCX for this long before it arms
+    /// the worker and sleeps on its event fd (short bursts of messages are then handled without
+    /// a wake-up). Keep it short: on small machines long busy-polling starves everything else.
+    pub spin: Duration,
+    /// How long [`crate::Ucx::shutdown`] waits for outstanding operations and endpoint closes.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for UcxConfig {
+    fn default() -> Self {
+        UcxConfig {
+            transports: None,
+            options: Vec::new(),
+            peer_error_handling: false,
+            send_timeout: Some(Duration::from_secs(30)),
+            spin: Duration::from_micros(50),
+            shutdown_timeout: Duration::from_secs(5),
+        }
+    }
+}
