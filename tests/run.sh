@@ -20,8 +20,15 @@ if ! command -v chromium >/dev/null; then
         echo "tests/run.sh: could not install chromium; the dashboard test will skip its browser checks" >&2
     fi
 fi
+# UCX (Debian's libucx-dev, with libclang-dev for bindgen) builds the UCX shuffle transport, which
+# the shuffle tests run over besides TCP.
+if ! pkg-config --exists ucx 2>/dev/null || ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends libucx-dev libclang-dev pkg-config >/dev/null
+fi
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets -- -D warnings
-cargo test --workspace --exclude taxi-haversine --exclude noop \
+cargo clippy --workspace --all-targets --features wrk-tests/ucx -- -D warnings
+cargo test --workspace --features wrk-tests/ucx --exclude taxi-haversine --exclude noop \
     --exclude test-guest-trap --exclude test-guest-spin --exclude test-guest-hog \
     --exclude test-guest-slow

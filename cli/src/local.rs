@@ -103,6 +103,7 @@ impl LocalCluster {
                 metrics_listen: config.http.map(|_| SocketAddr::from(([127, 0, 0, 1], 0))),
                 token: None,
                 shuffle_port: 0,
+                transport: wrk_host::shuffle::TransportChoice::Tcp,
             };
             let worker_stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move {

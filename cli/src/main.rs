@@ -17,6 +17,7 @@ use wrk_cli::local::{LocalCluster, LocalClusterConfig};
 use wrk_cli::{client, output, taxi};
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
 use wrk_host::guest_api::TaskInfo;
+use wrk_host::shuffle::TransportChoice;
 use wrk_host::table::Table;
 use wrk_host::worker::WorkerConfig;
 use wrk_proto::{JobRef, JobState};
@@ -209,6 +210,10 @@ struct WorkerArgs {
     /// The port receiving shuffle pieces from peers, on the listen IP (0 picks a free one).
     #[arg(long, env = "WRK_SHUFFLE_PORT", default_value_t = 0)]
     shuffle_port: u16,
+    /// The transport of shuffles between workers: auto (UCX when this build has it and both
+    /// workers of a pair do, else TCP), tcp, or ucx (fail at start without it).
+    #[arg(long, env = "WRK_TRANSPORT", default_value = "auto")]
+    transport: TransportChoice,
 }
 
 #[derive(clap::Args)]
@@ -335,6 +340,7 @@ async fn main() -> Result<()> {
                 metrics_listen: args.metrics_listen,
                 token: args.token,
                 shuffle_port: args.shuffle_port,
+                transport: args.transport,
             };
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())

@@ -27,7 +27,7 @@ use crate::guest_api::{TaskInfo, WIT_VERSION};
 use crate::metrics::WorkerMetrics;
 use crate::shuffle::pieces::PieceStore;
 use crate::shuffle::tcp::TcpReceiver;
-use crate::shuffle::{ShuffleService, TaskShuffle};
+use crate::shuffle::{ShuffleService, TaskShuffle, TransportChoice, UcxUnavailable};
 use crate::store::{PartitionId, PartitionStore};
 use crate::table::Table;
 use crate::transfer::{DataService, PeerClient};
@@ -52,6 +52,8 @@ pub struct WorkerConfig {
     pub token: Option<String>,
     /// The port receiving shuffle pieces (on the listen address's IP); 0 picks a free one.
     pub shuffle_port: u16,
+    /// The transport between workers for shuffles.
+    pub transport: TransportChoice,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +79,8 @@ pub enum WorkerError {
     },
     #[error("lost the connection to the scheduler at {address}: {detail}")]
     SchedulerGone { address: String, detail: String },
+    #[error(transparent)]
+    Transport(#[from] UcxUnavailable),
 }
 
 /// A broadcast table, fetched once per worker and shared by the tasks that read it.
@@ -197,12 +201,13 @@ pub async fn run(
         })
         .serve(shuffle_listener),
     );
-    let shuffle = Arc::new(ShuffleService::new(
+    let shuffle = Arc::new(ShuffleService::start(
         worker_id.clone(),
         pieces,
         secret,
         metrics.clone(),
-    ));
+        config.transport,
+    )?);
 
     let (metrics_server, http_address) = match config.metrics_listen {
         Some(address) => {
@@ -234,7 +239,7 @@ pub async fn run(
         wit_version: WIT_VERSION.into(),
         http_address,
         shuffle_address: format!("{host}:{shuffle_port}"),
-        ucx_address: Vec::new(),
+        ucx_address: shuffle.ucx_address(),
     };
     let _ = outbox
         .send(WorkerMessage {

@@ -96,19 +96,56 @@ fn assert_fares_per_driver(result: &RecordBatch, expected: &BTreeMap<i64, (f64, 
     }
 }
 
-/// A scheduler and `workers` worker processes with one slot each.
-fn cluster(processes: &mut Processes, workers: usize) -> (String, Vec<Child>, SchedulerProcess) {
+/// A scheduler and `workers` worker processes with one slot each, shuffling over `transport`
+/// and serving their metrics.
+fn cluster(
+    processes: &mut Processes,
+    workers: usize,
+    transport: &str,
+) -> (String, Vec<Child>, SchedulerProcess) {
     let scheduler = start_scheduler(
         processes,
         &["--heartbeat-ms", "100", "--worker-timeout-secs", "2"],
         &[],
     );
     let url = scheduler.url.clone();
+    let args = [
+        "--slots",
+        "1",
+        "--transport",
+        transport,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
     let children = (0..workers)
-        .map(|i| start_worker(&url, &format!("w{i}"), &["--slots", "1"]))
+        .map(|i| start_worker(&url, &format!("w{i}"), &args))
         .collect();
     wait_for_workers(&url, workers, None);
     (url, children, scheduler)
+}
+
+/// Shuffle bytes the workers sent, by transport, from their `/metrics`.
+fn shuffle_bytes_sent(url: &str) -> BTreeMap<String, f64> {
+    let status = Command::new(wrk())
+        .args(["status", "--scheduler", url, "--output", "json"])
+        .env_remove("WRK_TOKEN")
+        .output()
+        .expect("wrk status");
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status JSON");
+    let mut sent = BTreeMap::new();
+    for worker in status["workers"].as_array().expect("workers") {
+        let http = worker["http_address"].as_str().expect("http address");
+        let (_, metrics) = http_get(http, "/metrics");
+        for line in metrics.lines() {
+            if let Some(rest) =
+                line.strip_prefix("wrk_worker_shuffle_bytes_total{direction=\"sent\",transport=\"")
+                && let Some((transport, value)) = rest.split_once("\"} ")
+            {
+                *sent.entry(transport.to_string()).or_default() += value.parse::<f64>().unwrap();
+            }
+        }
+    }
+    sent
 }
 
 fn submit(url: &str, job: &Path, module: &str, args: &[String], result: &Path) -> Child {
@@ -135,11 +172,27 @@ fn succeeded(child: Child, what: &str) {
 }
 
 #[test]
-fn shuffle_join_and_group_by_give_the_reference_answer_across_four_workers() {
+fn shuffle_join_and_group_by_give_the_reference_answer_over_tcp() {
+    join_and_group_by("tcp");
+}
+
+#[test]
+fn shuffle_join_and_group_by_give_the_reference_answer_over_ucx() {
+    if cfg!(feature = "ucx") {
+        join_and_group_by("ucx");
+    } else {
+        eprintln!(
+            "skipped: the tests were built without the `ucx` feature (tests/run.sh turns it on)"
+        );
+    }
+}
+
+/// The shuffle join and group-by examples on four workers shuffling over `transport`.
+fn join_and_group_by(transport: &str) {
     let data = dataset();
     let out = tempfile::tempdir().unwrap();
     let mut processes = Processes(Vec::new());
-    let (url, workers, _scheduler) = cluster(&mut processes, 4);
+    let (url, workers, _scheduler) = cluster(&mut processes, 4, transport);
     processes.0.extend(workers);
     let examples = workspace_root().join("guest-examples");
     let trips_source = format!("trips={}", data.path().join("taxi").display());
@@ -207,6 +260,18 @@ fn shuffle_join_and_group_by_give_the_reference_answer_across_four_workers() {
     );
     succeeded(group_by, "the shuffle group-by");
     assert_fares_per_driver(&read(&grouped), &fares_per_driver(&trips));
+
+    // The pieces really went between the workers over that transport, and only over it.
+    let sent = shuffle_bytes_sent(&url);
+    assert!(
+        sent.get(transport).is_some_and(|bytes| *bytes > 100_000.0),
+        "{sent:?}"
+    );
+    assert_eq!(
+        sent.keys().filter(|t| *t != "local").collect::<Vec<_>>(),
+        [transport],
+        "{sent:?}"
+    );
 }
 
 #[test]
@@ -255,7 +320,7 @@ inputs = [{{ stage = "final", pattern = "one-to-one" }}]
     )
     .unwrap();
     let mut processes = Processes(Vec::new());
-    let (url, mut workers, scheduler) = cluster(&mut processes, 4);
+    let (url, mut workers, scheduler) = cluster(&mut processes, 4, "auto");
     for round in 0..6u64 {
         let result = dir.path().join(format!("fares-{round}.parquet"));
         let submit = Command::new(wrk())

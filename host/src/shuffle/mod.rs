@@ -5,7 +5,9 @@
 //!
 //! - [`pieces`]: what a worker holds for the reducers placed on it;
 //! - [`transport`]: the trait the transports implement, and the in-process one;
-//! - [`tcp`]: the TCP transport (the default between workers).
+//! - [`tcp`]: the TCP transport (the default between workers);
+//! - `ucx` (cargo feature `ucx`): the UCX transport, used between two workers that both have it,
+//!   with a fallback to TCP on any UCX error.
 //!
 //! [`TaskShuffle`] is one task's view: the exchanges it sends to and receives from, with the
 //! pushes still in flight.
@@ -13,8 +15,10 @@
 pub mod pieces;
 pub mod tcp;
 pub mod transport;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use tokio::task::JoinHandle;
@@ -69,54 +73,143 @@ fn names<'a>(names: impl Iterator<Item = &'a String>) -> String {
     }
 }
 
+/// Which transport a worker uses between workers (`--transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// UCX when this build has it and it starts, else TCP.
+    #[default]
+    Auto,
+    Tcp,
+    /// UCX, or the worker does not start.
+    Ucx,
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(TransportChoice::Auto),
+            "tcp" => Ok(TransportChoice::Tcp),
+            "ucx" => Ok(TransportChoice::Ucx),
+            other => Err(format!(
+                "unknown transport `{other}` (expected auto, tcp or ucx)"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot use UCX for shuffles: {0}")]
+pub struct UcxUnavailable(String);
+
 /// The worker's shuffle service: its piece store and the transports to its peers.
 pub struct ShuffleService {
     worker_id: String,
     store: Arc<PieceStore>,
     in_process: InProcess,
     tcp: tcp::TcpSender,
+    #[cfg(feature = "ucx")]
+    ucx: Option<ucx::UcxTransport>,
+    /// Peers that UCX failed to reach: they get TCP from then on.
+    ucx_failed: Mutex<HashSet<String>>,
     metrics: WorkerMetrics,
 }
 
 impl ShuffleService {
-    /// `secret` is the cluster's worker token, which peers prove they hold.
-    pub fn new(
+    /// `secret` is the cluster's worker token, which peers prove they hold. Starts UCX as
+    /// `transport` says (inside a tokio runtime).
+    pub fn start(
         worker_id: String,
         store: Arc<PieceStore>,
         secret: Option<Vec<u8>>,
         metrics: WorkerMetrics,
-    ) -> Self {
-        ShuffleService {
+        transport: TransportChoice,
+    ) -> Result<Self, UcxUnavailable> {
+        #[cfg(feature = "ucx")]
+        let ucx = match transport {
+            TransportChoice::Tcp => None,
+            TransportChoice::Auto => ucx::UcxTransport::start(store.clone(), metrics.clone())
+                .inspect_err(|e| tracing::warn!("UCX did not start, shuffles use TCP: {e}"))
+                .ok(),
+            TransportChoice::Ucx => Some(
+                ucx::UcxTransport::start(store.clone(), metrics.clone())
+                    .map_err(|e| UcxUnavailable(e.to_string()))?,
+            ),
+        };
+        #[cfg(not(feature = "ucx"))]
+        if transport == TransportChoice::Ucx {
+            return Err(UcxUnavailable(
+                "this wrk was built without the `ucx` cargo feature".into(),
+            ));
+        }
+        Ok(ShuffleService {
             worker_id,
             in_process: InProcess {
                 store: store.clone(),
             },
             store,
             tcp: tcp::TcpSender::new(secret),
+            #[cfg(feature = "ucx")]
+            ucx,
+            ucx_failed: Mutex::default(),
             metrics,
-        }
+        })
     }
 
     pub fn store(&self) -> &Arc<PieceStore> {
         &self.store
     }
 
-    fn transport(&self, peer: &ShufflePeer) -> &dyn Transport {
-        if peer.worker_id == self.worker_id {
-            &self.in_process
-        } else {
-            &self.tcp
+    /// This worker's UCX address for its peers; empty without UCX.
+    pub fn ucx_address(&self) -> Vec<u8> {
+        #[cfg(feature = "ucx")]
+        if let Some(ucx) = &self.ucx {
+            return ucx.address();
         }
+        Vec::new()
     }
 
-    /// Delivers pieces to `peer`, counting the bytes sent.
+    /// The transport `peer` gets: in-process for this worker, UCX when both have it (and it
+    /// has not failed for this peer), TCP otherwise.
+    fn transport(&self, peer: &ShufflePeer) -> &dyn Transport {
+        if peer.worker_id == self.worker_id {
+            return &self.in_process;
+        }
+        #[cfg(feature = "ucx")]
+        if let Some(ucx) = &self.ucx
+            && !peer.ucx_address.is_empty()
+            && !self
+                .ucx_failed
+                .lock()
+                .is_ok_and(|failed| failed.contains(&peer.worker_id))
+        {
+            return ucx;
+        }
+        &self.tcp
+    }
+
+    /// Delivers pieces to `peer`, counting the bytes sent; a UCX failure falls back to TCP.
     pub async fn deliver(
         &self,
         peer: &ShufflePeer,
         delivery: Delivery,
     ) -> Result<(), TransportError> {
         let transport = self.transport(peer);
-        let bytes = transport.deliver(peer, delivery).await?;
+        let retry = (transport.name() == "ucx").then(|| delivery.clone());
+        let (transport, bytes) = match (transport.deliver(peer, delivery).await, retry) {
+            (Ok(bytes), _) => (transport, bytes),
+            (Err(e @ TransportError::Send { .. }), Some(delivery)) => {
+                tracing::warn!(peer = %peer.worker_id, "UCX failed, falling back to TCP: {e}");
+                if let Ok(mut failed) = self.ucx_failed.lock() {
+                    failed.insert(peer.worker_id.clone());
+                }
+                (
+                    &self.tcp as &dyn Transport,
+                    self.tcp.deliver(peer, delivery).await?,
+                )
+            }
+            (Err(e), _) => return Err(e),
+        };
         self.metrics
             .count_shuffle("sent", transport.name(), bytes as usize);
         Ok(())

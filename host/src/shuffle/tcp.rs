@@ -168,7 +168,7 @@ impl TcpReceiver {
 }
 
 /// The pieces of a frame, decoded.
-fn decode_delivery(header: PushPieces, payload: Bytes) -> Result<Delivery, String> {
+pub(super) fn decode_delivery(header: PushPieces, payload: Bytes) -> Result<Delivery, String> {
     let declared: u64 = header.pieces.iter().map(|p| p.bytes).sum();
     if declared != payload.len() as u64 {
         return Err(format!(

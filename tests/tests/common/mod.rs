@@ -75,10 +75,12 @@ pub fn guest(crate_name: &str) -> PathBuf {
 pub fn wrk() -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {
-        let status = cargo()
-            .args(["build", "-p", "wrk-cli", "--bin", "wrk"])
-            .status()
-            .expect("run cargo to build wrk");
+        let mut build = cargo();
+        build.args(["build", "-p", "wrk-cli", "--bin", "wrk"]);
+        if cfg!(feature = "ucx") {
+            build.args(["--features", "ucx"]);
+        }
+        let status = build.status().expect("run cargo to build wrk");
         assert!(status.success(), "building wrk failed");
     });
     target_dir().join("debug").join("wrk")

@@ -1,0 +1,211 @@
+//! The UCX shuffle transport (cargo feature `ucx`): deliveries travel as UCX active messages
+//! between the workers' [`wrk_ucx::Ucx`] instances (shared memory on one host, the network
+//! between hosts), each acknowledged once the receiver stored it, like the TCP transport.
+//!
+//! A message's UCX header is a kind byte (push or acknowledgement), a request id and, for a
+//! push, the sender's UCX address (for the acknowledgement); its payload is a `u32` header
+//! length, the `PushPieces` header and the pieces' IPC streams (the TCP frame's contents).
+//! Any UCX failure is returned to the caller, which falls back to TCP for that peer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures::future::BoxFuture;
+use prost::Message as _;
+use tokio::sync::{Mutex, oneshot};
+use wrk_proto::{PushAck, PushPieces, ShufflePeer};
+use wrk_ucx::{Incoming, Ucx, UcxConfig};
+
+use super::pieces::PieceStore;
+use super::tcp::{decode_delivery, encode_delivery};
+use super::transport::{Delivery, Transport, TransportError};
+use crate::metrics::WorkerMetrics;
+
+const PUSH: u8 = 0;
+const ACK: u8 = 1;
+/// How long a delivery waits for its acknowledgement before the peer counts as failed.
+const ACK_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long UCX may take to complete one send (a dead peer on shared memory never answers).
+const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// This worker's UCX endpoint for shuffles.
+pub struct UcxTransport {
+    ucx: Ucx,
+    next_request: AtomicU64,
+    waiting: Arc<Mutex<HashMap<u64, oneshot::Sender<PushAck>>>>,
+}
+
+impl UcxTransport {
+    /// Starts UCX and the task that stores what peers push and answers them.
+    pub fn start(
+        store: Arc<PieceStore>,
+        metrics: WorkerMetrics,
+    ) -> Result<Self, wrk_ucx::UcxError> {
+        let config = UcxConfig {
+            send_timeout: Some(SEND_TIMEOUT),
+            ..UcxConfig::default()
+        };
+        let (ucx, incoming) = Ucx::start(config)?;
+        let waiting: Arc<Mutex<HashMap<u64, oneshot::Sender<PushAck>>>> = Arc::default();
+        tokio::spawn(receive(
+            ucx.clone(),
+            incoming,
+            store,
+            metrics,
+            waiting.clone(),
+        ));
+        Ok(UcxTransport {
+            ucx,
+            next_request: AtomicU64::new(1),
+            waiting,
+        })
+    }
+
+    /// The address peers send to.
+    pub fn address(&self) -> Vec<u8> {
+        self.ucx.address().to_vec()
+    }
+}
+
+fn header(kind: u8, request: u64, address: &[u8]) -> Vec<u8> {
+    let mut header = Vec::with_capacity(9 + address.len());
+    header.push(kind);
+    header.extend_from_slice(&request.to_be_bytes());
+    header.extend_from_slice(address);
+    header
+}
+
+fn parse_header(header: &[u8]) -> Option<(u8, u64, &[u8])> {
+    let (&kind, rest) = header.split_first()?;
+    let (request, address) = rest.split_at_checked(8)?;
+    Some((kind, u64::from_be_bytes(request.try_into().ok()?), address))
+}
+
+/// Stores pushes and answers them; completes the deliveries waiting for acknowledgements.
+async fn receive(
+    ucx: Ucx,
+    mut incoming: Incoming,
+    store: Arc<PieceStore>,
+    metrics: WorkerMetrics,
+    waiting: Arc<Mutex<HashMap<u64, oneshot::Sender<PushAck>>>>,
+) {
+    while let Some(message) = incoming.recv().await {
+        let Some((kind, request, address)) = parse_header(&message.header) else {
+            tracing::warn!("ignoring a UCX shuffle message with a malformed header");
+            continue;
+        };
+        match kind {
+            ACK => {
+                if let Ok(ack) = PushAck::decode(message.payload)
+                    && let Some(waiter) = waiting.lock().await.remove(&request)
+                {
+                    let _ = waiter.send(ack);
+                }
+            }
+            PUSH => {
+                metrics.count_shuffle("received", "ucx", message.payload.len());
+                let (store, address) = (store.clone(), address.to_vec());
+                let stored = tokio::task::spawn_blocking(move || {
+                    let delivery =
+                        split_payload(message.payload).and_then(|(h, p)| decode_delivery(h, p))?;
+                    delivery.store_in(&store).map_err(|e| e.to_string())
+                })
+                .await
+                .unwrap_or_else(|e| Err(format!("storing shuffle pieces: {e}")));
+                let ack = PushAck {
+                    error: stored.err().unwrap_or_default(),
+                }
+                .encode_to_vec();
+                if let Err(e) = ucx
+                    .send(&address, header(ACK, request, &[]), Bytes::from(ack))
+                    .await
+                {
+                    tracing::warn!("cannot acknowledge a UCX shuffle push: {e}");
+                }
+            }
+            other => tracing::warn!("ignoring a UCX shuffle message of unknown kind {other}"),
+        }
+    }
+}
+
+fn split_payload(payload: Bytes) -> Result<(PushPieces, Bytes), String> {
+    let length = payload
+        .get(..4)
+        .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .ok_or("a UCX shuffle push shorter than its header length")?;
+    let header = payload
+        .get(4..4 + length)
+        .ok_or("a UCX shuffle push shorter than its header")?;
+    let header = PushPieces::decode(header)
+        .map_err(|e| format!("a shuffle frame header is not valid: {e}"))?;
+    Ok((header, payload.slice(4 + length..)))
+}
+
+impl Transport for UcxTransport {
+    fn name(&self) -> &'static str {
+        "ucx"
+    }
+
+    fn deliver<'a>(
+        &'a self,
+        peer: &'a ShufflePeer,
+        delivery: Delivery,
+    ) -> BoxFuture<'a, Result<u64, TransportError>> {
+        Box::pin(async move {
+            let send_err = |detail: String| TransportError::Send {
+                worker: peer.worker_id.clone(),
+                transport: "ucx",
+                detail,
+            };
+            let payload = tokio::task::spawn_blocking(move || {
+                let (header, pieces) = encode_delivery(&delivery)?;
+                let length: usize = pieces.iter().map(Bytes::len).sum();
+                let mut payload = BytesMut::with_capacity(4 + header.len() + length);
+                payload.extend_from_slice(&(header.len() as u32).to_be_bytes());
+                payload.extend_from_slice(&header);
+                for piece in &pieces {
+                    payload.extend_from_slice(piece);
+                }
+                Ok::<_, String>((payload.freeze(), length as u64))
+            })
+            .await
+            .map_err(|e| send_err(e.to_string()))?
+            .map_err(send_err)?;
+            let (payload, piece_bytes) = payload;
+            let request = self.next_request.fetch_add(1, Ordering::Relaxed);
+            let (answer, acknowledged) = oneshot::channel();
+            self.waiting.lock().await.insert(request, answer);
+            let sent = self
+                .ucx
+                .send(
+                    &peer.ucx_address,
+                    header(PUSH, request, self.ucx.address()),
+                    payload,
+                )
+                .await;
+            if let Err(e) = sent {
+                self.waiting.lock().await.remove(&request);
+                return Err(send_err(e.to_string()));
+            }
+            let ack = match tokio::time::timeout(ACK_TIMEOUT, acknowledged).await {
+                Ok(Ok(ack)) => ack,
+                Ok(Err(_)) | Err(_) => {
+                    self.waiting.lock().await.remove(&request);
+                    return Err(send_err(format!(
+                        "no acknowledgement within {ACK_TIMEOUT:?}"
+                    )));
+                }
+            };
+            if !ack.error.is_empty() {
+                return Err(TransportError::Refused {
+                    worker: peer.worker_id.clone(),
+                    detail: ack.error,
+                });
+            }
+            Ok(piece_bytes)
+        })
+    }
+}
