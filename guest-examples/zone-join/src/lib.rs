@@ -2,10 +2,10 @@
 //! summed per borough.
 //!
 //! - `zones` (one task): reads the zones table (`zone_id`, `borough`);
-//! - `join` (one task per trips partition, with every `zones` output as extra inputs): inner
-//!   join of the partition's trips with the zones on `pickup_zone = zone_id`, then per borough
-//!   the fare sum and trip count; trips whose zone is unknown are counted apart through an anti
-//!   join, under the borough `unknown`;
+//! - `join` (one task per trips partition, with the `zones` outputs as one broadcast input,
+//!   fetched once per worker): inner join of the partition's trips with the zones on
+//!   `pickup_zone = zone_id`, then per borough the fare sum and trip count; trips whose zone is
+//!   unknown are counted apart through an anti join, under the borough `unknown`;
 //! - `merge`: combines the partials, sorted by borough.
 
 use wrk_sdk::prelude::*;
