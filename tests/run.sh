@@ -24,4 +24,4 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --exclude taxi-haversine --exclude noop \
     --exclude test-guest-trap --exclude test-guest-spin --exclude test-guest-hog \
-    --exclude test-guest-slow
+    --exclude test-guest-slow --exclude test-guest-memory

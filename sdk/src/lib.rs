@@ -12,6 +12,7 @@
 //! - [`Table`], [`Column`] and [`Expr`] ([`col`], [`lit`], operators) drive the host's
 //!   operators, with [`Table::group_by`] taking aggregates such as [`sum`] and [`count`];
 //! - [`io`] reads and writes Parquet through the sources and sinks the job granted;
+//! - [`memory`] reads the worker's pool statistics and takes leases for a working set;
 //! - [`context`] tells the task who and where it is, hands it its parameters and logs
 //!   ([`info!`], [`warn!`], ...);
 //! - every fallible call returns [`Result`], whose [`Error`] goes back to the host from `run`.
@@ -51,6 +52,7 @@
 pub mod bindings;
 pub mod context;
 pub mod io;
+pub mod memory;
 pub mod prelude;
 
 mod aggregate;

@@ -4,6 +4,7 @@ pub use crate::JoinType;
 pub use crate::aggregate::{Agg, count, count_distinct, max, mean, min, sum};
 pub use crate::column::Column;
 pub use crate::context;
+pub use crate::memory;
 pub use crate::error::{Error, ErrorCode, Result};
 pub use crate::expr::{Expr, col, if_else, lit, when};
 pub use crate::io::{read_parquet, write_parquet};

@@ -67,6 +67,8 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         cache_dir: None,
         http: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+        pool: None,
+        spill_root: None,
     })
     .await
     .unwrap();

@@ -38,7 +38,7 @@ fn cargo() -> Command {
     command
 }
 
-const GUESTS: [&str; 11] = [
+const GUESTS: [&str; 12] = [
     "taxi-haversine",
     "noop",
     "fare-stats",
@@ -50,6 +50,7 @@ const GUESTS: [&str; 11] = [
     "test-guest-spin",
     "test-guest-hog",
     "test-guest-slow",
+    "test-guest-memory",
 ];
 
 /// The path of a guest component, building every test guest once.
