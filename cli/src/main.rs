@@ -5,6 +5,20 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `mi_option_purge_delay` (its `mi_option_e` in `include/mimalloc.h`, v2 and v3).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Makes mimalloc give freed memory back to the OS at once rather than after its purge delay
+/// (10 ms, times 10 for large blocks): a worker's resident memory must follow its pool, which
+/// frees partitions as it spills them (measured: 100 MiB more at peak with the delay, in
+/// `tests/tests/memory.rs`). Operators that allocate the same buffers over and over get them
+/// from the buffer pool instead (`wrk_host::memory::buffers`).
+fn return_freed_memory_at_once() {
+    // SAFETY: sets a plain integer option of the allocator, from `main` before any other
+    // thread exists.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) }
+}
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -287,8 +301,16 @@ fn init_tracing(default: &str) {
         .init();
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    return_freed_memory_at_once();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     let cli = Cli::parse();
     let service = matches!(
         cli.command,
@@ -398,10 +420,9 @@ async fn main() -> Result<()> {
         Command::Run(args) => run_one(args).await,
         Command::Operator { command } => Ok(wrk_operator::cli::run(command).await?),
         Command::BenchReuse { rows, iterations } => {
-            let (off, on) = tokio::task::spawn_blocking(move || {
-                wrk_cli::reuse::run(rows, iterations)
-            })
-            .await??;
+            let (off, on) =
+                tokio::task::spawn_blocking(move || wrk_cli::reuse::run(rows, iterations))
+                    .await??;
             for (mode, f) in [("fresh buffers", off), ("reused buffers", on)] {
                 println!(
                     "{mode:>15}: {:>8.3} ms per evaluation, {:>8.0} minor page faults per evaluation, {} blocks reused",
@@ -412,7 +433,10 @@ async fn main() -> Result<()> {
             }
             println!(
                 "reuse saves {:.1}% of the time on {rows} rows",
-                100.0 * (1.0 - on.per_evaluation.as_secs_f64() / off.per_evaluation.as_secs_f64().max(1e-12))
+                100.0
+                    * (1.0
+                        - on.per_evaluation.as_secs_f64()
+                            / off.per_evaluation.as_secs_f64().max(1e-12))
             );
             Ok(())
         }
@@ -687,7 +711,10 @@ async fn run_one(args: RunArgs) -> Result<()> {
         module_name: name.clone(),
     });
     let pool = size::resolve(None, None, MachineMemory::detect()?)?.pool;
-    let spill = SpillDir::open(&spill::default_root(), &format!("run-{}", std::process::id()))?;
+    let spill = SpillDir::open(
+        &spill::default_root(),
+        &format!("run-{}", std::process::id()),
+    )?;
     let store = Arc::new(PartitionStore::new(pool, spill));
     let run = tokio::task::spawn_blocking(move || -> Result<_> {
         let tables = inputs

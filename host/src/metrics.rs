@@ -152,7 +152,10 @@ impl WorkerMetrics {
                 "pool_used_bytes",
                 "Bytes of the memory pool in use: buffers held plus unused leases",
             ),
-            pool_peak: gauge("pool_peak_bytes", "The most bytes of the memory pool in use"),
+            pool_peak: gauge(
+                "pool_peak_bytes",
+                "The most bytes of the memory pool in use",
+            ),
             pool_leased: gauge(
                 "pool_leased_bytes",
                 "Bytes of the memory pool reserved by leases of running tasks",
@@ -208,20 +211,35 @@ impl WorkerMetrics {
                 Tier::Host => stats.spilled_host,
                 Tier::Disk => stats.spilled_disk,
             };
-            gauge(&self.spilled_bytes.with_label_values(&[tier.as_str()]), bytes);
+            gauge(
+                &self.spilled_bytes.with_label_values(&[tier.as_str()]),
+                bytes,
+            );
         }
         let advance = |c: &IntCounter, v: u64| c.inc_by(v.saturating_sub(c.get()));
         advance(&self.spills, stats.spills);
         advance(&self.unspills, stats.unspills);
-        advance(&self.spill_bytes.with_label_values(&["out"]), stats.spilled_bytes_total);
-        advance(&self.spill_bytes.with_label_values(&["in"]), stats.unspilled_bytes_total);
+        advance(
+            &self.spill_bytes.with_label_values(&["out"]),
+            stats.spilled_bytes_total,
+        );
+        advance(
+            &self.spill_bytes.with_label_values(&["in"]),
+            stats.unspilled_bytes_total,
+        );
         let advance_secs = |c: &Counter, v: f64| {
             if v > c.get() {
                 c.inc_by(v - c.get());
             }
         };
-        advance_secs(&self.spill_seconds.with_label_values(&["out"]), stats.spill_seconds);
-        advance_secs(&self.spill_seconds.with_label_values(&["in"]), stats.unspill_seconds);
+        advance_secs(
+            &self.spill_seconds.with_label_values(&["out"]),
+            stats.spill_seconds,
+        );
+        advance_secs(
+            &self.spill_seconds.with_label_values(&["in"]),
+            stats.unspill_seconds,
+        );
     }
 
     /// The name of every metric family exported (histograms add `_bucket`, `_sum` and `_count`),

@@ -311,9 +311,7 @@ impl PartitionStore {
             (entry.table.clone(), entry.file.clone())
         };
         Some(match (table, file) {
-            (Some(table), _) => {
-                crate::table::encode_ipc(table.batch()).map_err(|e| e.to_string())
-            }
+            (Some(table), _) => crate::table::encode_ipc(table.batch()).map_err(|e| e.to_string()),
             (None, Some(file)) => file.read_bytes().map_err(|e| e.to_string()),
             (None, None) => Err(format!("partition {id} has no data")),
         })
@@ -332,8 +330,15 @@ impl PartitionStore {
     fn release_where(&self, matches: impl Fn(&PartitionId) -> bool) -> usize {
         let removed: Vec<Entry> = {
             let mut inner = self.lock();
-            let ids: Vec<PartitionId> = inner.entries.keys().filter(|id| matches(id)).cloned().collect();
-            ids.iter().filter_map(|id| inner.entries.remove(id)).collect()
+            let ids: Vec<PartitionId> = inner
+                .entries
+                .keys()
+                .filter(|id| matches(id))
+                .cloned()
+                .collect();
+            ids.iter()
+                .filter_map(|id| inner.entries.remove(id))
+                .collect()
         };
         // Tables and spill files go outside the lock.
         let count = removed.len();
@@ -529,17 +534,16 @@ impl TaskMemory {
     /// fails with the sizes named when the task's working set can never fit or waiting would
     /// deadlock. Blocking.
     pub fn lease(self: &Arc<Self>, bytes: u64) -> Result<Lease, PoolError> {
-        let what = format!(
-            "task {} (a lease of {})",
-            self.account.name(),
-            Bytes(bytes)
-        );
+        let what = format!("task {} (a lease of {})", self.account.name(), Bytes(bytes));
         let inner = self.store.lock();
         // What the lease adds to the pool's use: the growth of the task's unfilled leases.
         let needed = (self.account.leased() + bytes)
             .saturating_sub(self.account.claimed())
             .saturating_sub(self.account.unfilled_lease());
-        let working_set = self.account.working_set().max(self.account.leased() + bytes);
+        let working_set = self
+            .account
+            .working_set()
+            .max(self.account.leased() + bytes);
         if working_set > self.store.pool.size() {
             return Err(PoolError::NeverFits {
                 what,
@@ -636,11 +640,9 @@ mod tests {
 
     /// A table of `rows` f64 values (8 bytes each) tagged with `tag`.
     fn table(rows: usize, tag: f64) -> Table {
-        let batch = RecordBatch::try_from_iter([(
-            "x",
-            Arc::new(Float64Array::from(vec![tag; rows])) as _,
-        )])
-        .unwrap();
+        let batch =
+            RecordBatch::try_from_iter([("x", Arc::new(Float64Array::from(vec![tag; rows])) as _)])
+                .unwrap();
         Table::new(batch)
     }
 
@@ -704,7 +706,12 @@ mod tests {
         drop(held);
         // Partition 0 comes back transparently, intact, and something else makes room.
         let back = store.get(&id("j", 0), None).unwrap().unwrap();
-        let values = back.batch().column(0).as_any().downcast_ref::<Float64Array>().unwrap();
+        let values = back
+            .batch()
+            .column(0)
+            .as_any()
+            .downcast_ref::<Float64Array>()
+            .unwrap();
         assert!(values.iter().all(|v| v == Some(0.0)));
         let stats = store.stats();
         assert_eq!(stats.pool.unspills, 1);
@@ -736,7 +743,11 @@ mod tests {
         let bytes = store.ipc_bytes(&id("j", 0)).unwrap().unwrap();
         let batch = crate::table::decode_ipc(&bytes).unwrap();
         assert_eq!(batch, table(10_000, 4.0).batch().clone());
-        assert_eq!(store.stats().pool.unspills, 0, "served without reading it back");
+        assert_eq!(
+            store.stats().pool.unspills,
+            0,
+            "served without reading it back"
+        );
     }
 
     #[test]

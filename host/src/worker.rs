@@ -25,8 +25,8 @@ use wrk_proto::{
 
 use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
 use crate::guest_api::{TaskInfo, WIT_VERSION};
-use crate::metrics::WorkerMetrics;
 use crate::memory::spill::{SpillDir, SpillError};
+use crate::metrics::WorkerMetrics;
 use crate::store::{PartitionId, PartitionStore, PoolError, StoreStats, TaskMemory};
 use crate::table::Table;
 use crate::transfer::{DataService, PeerClient};
@@ -132,7 +132,8 @@ pub async fn run(
     // Up to an eighth of the pool may be free blocks kept for operators to reuse.
     let buffers = crate::memory::buffers::global();
     buffers.set_limit(config.pool_bytes / 8);
-    let store = Arc::new(PartitionStore::new(config.pool_bytes, spill).with_buffers(buffers.clone()));
+    let store =
+        Arc::new(PartitionStore::new(config.pool_bytes, spill).with_buffers(buffers.clone()));
     let metrics = WorkerMetrics::new(engine.cache_outcomes());
     metrics.slots.set(i64::from(config.slots.max(1)));
 
@@ -328,7 +329,9 @@ async fn serve_metrics(
                     let stats = store.stats();
                     metrics.partitions.set(stats.partitions as i64);
                     metrics.partition_bytes.set(stats.bytes as i64);
-                    metrics.spilled_partitions.set(stats.spilled_partitions as i64);
+                    metrics
+                        .spilled_partitions
+                        .set(stats.spilled_partitions as i64);
                     metrics.observe_pool(&stats.pool);
                     (
                         [(

@@ -1764,7 +1764,11 @@ mod tests {
         assert_eq!(workers.len(), 2);
         let worker = worker_of(&state, &first[0]);
         let next = assigned(&state.task_done(&worker, done(&first[0], 1)));
-        assert_eq!(next.len(), 2, "the 60 and the 30 fit in the freed pool: {next:?}");
+        assert_eq!(
+            next.len(),
+            2,
+            "the 60 and the 30 fit in the freed pool: {next:?}"
+        );
         assert!(next.iter().all(|t| worker_of(&state, t) == worker));
     }
 

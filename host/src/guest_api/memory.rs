@@ -2,8 +2,8 @@
 
 use wasmtime::component::Resource;
 
-use super::bindings::wrk::task::memory::{Host, HostLease, PoolStats};
 use super::TaskState;
+use super::bindings::wrk::task::memory::{Host, HostLease, PoolStats};
 use super::wit::Error;
 use crate::store::Lease;
 

@@ -320,7 +320,10 @@ mod tests {
         assert_eq!(class_of(120 << 10), Some((4, 128 << 10)));
         for bytes in [70_000usize, 1 << 20, 3_000_001, 123_456_789] {
             let (_, size) = class_of(bytes).unwrap();
-            assert!(size >= bytes && size as f64 <= bytes as f64 * 1.25 + 1.0, "{bytes}: {size}");
+            assert!(
+                size >= bytes && size as f64 <= bytes as f64 * 1.25 + 1.0,
+                "{bytes}: {size}"
+            );
         }
         // Classes grow with the size.
         let sizes: Vec<usize> = (16..30).map(|p| class_of(1 << p).unwrap().0).collect();

@@ -317,7 +317,13 @@ impl Pool {
     }
 
     /// The statistics, given the current usage figures the store knows.
-    pub fn stats(&self, used: u64, partition_bytes: u64, leased: u64, spilled: [u64; 2]) -> PoolStats {
+    pub fn stats(
+        &self,
+        used: u64,
+        partition_bytes: u64,
+        leased: u64,
+        spilled: [u64; 2],
+    ) -> PoolStats {
         PoolStats {
             size: self.size,
             used,
@@ -373,7 +379,11 @@ mod tests {
         assert_eq!(task.claimed(), bytes);
         assert_eq!(store.claimed(), 0);
         drop(table);
-        assert_eq!(pool.claimed(), bytes, "the projection still holds the buffers");
+        assert_eq!(
+            pool.claimed(),
+            bytes,
+            "the projection still holds the buffers"
+        );
         drop(shared);
         assert_eq!(pool.claimed(), 0);
         assert_eq!(task.claimed(), 0);

@@ -240,10 +240,13 @@ mod tests {
             machine(16 * GIB, None),
         )
         .unwrap();
-        assert_eq!(settings, MemorySettings {
-            limit: 8 * GIB,
-            pool: 4 * GIB
-        });
+        assert_eq!(
+            settings,
+            MemorySettings {
+                limit: 8 * GIB,
+                pool: 4 * GIB
+            }
+        );
     }
 
     #[test]

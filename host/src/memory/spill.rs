@@ -15,6 +15,7 @@ use std::io::{BufReader, BufWriter, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use arrow::array::{Array, ArrayRef};
 use arrow::ipc::reader::StreamReader;
 use arrow::ipc::writer::StreamWriter;
 use arrow::record_batch::RecordBatch;
@@ -117,10 +118,13 @@ impl SpillDir {
         std::fs::create_dir_all(root).map_err(|e| prepare(root, e))?;
         let host = host_name();
         let mut removed = 0;
-        for entry in std::fs::read_dir(root).map_err(|e| prepare(root, e))?.flatten() {
+        for entry in std::fs::read_dir(root)
+            .map_err(|e| prepare(root, e))?
+            .flatten()
+        {
             let path = entry.path();
-            let is_spill_dir = entry.file_name().to_string_lossy().starts_with(DIR_PREFIX)
-                && path.is_dir();
+            let is_spill_dir =
+                entry.file_name().to_string_lossy().starts_with(DIR_PREFIX) && path.is_dir();
             let Ok(marker) = std::fs::read_to_string(path.join(MARKER)) else {
                 continue;
             };
@@ -155,9 +159,7 @@ impl SpillDir {
     /// Writes `batch` as an Arrow IPC stream into a new spill file.
     pub fn write(&self, batch: &RecordBatch) -> Result<SpillFile, SpillError> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let path = self
-            .dir
-            .join(format!("{FILE_PREFIX}{n:010}{FILE_SUFFIX}"));
+        let path = self.dir.join(format!("{FILE_PREFIX}{n:010}{FILE_SUFFIX}"));
         let failed = |detail: String| SpillError::Write {
             path: path.clone(),
             detail,
@@ -168,9 +170,24 @@ impl SpillDir {
             path: path.clone(),
             bytes: 0,
         };
-        let mut writer = StreamWriter::try_new(BufWriter::with_capacity(1 << 20, file), &batch.schema())
-            .map_err(|e| failed(e.to_string()))?;
-        writer.write(batch).map_err(|e| failed(e.to_string()))?;
+        let mut writer =
+            StreamWriter::try_new(BufWriter::with_capacity(1 << 20, file), &batch.schema())
+                .map_err(|e| failed(e.to_string()))?;
+        // The IPC writer encodes each batch into one buffer before writing it: slices keep
+        // that copy small while the pool is already full.
+        let rows = batch.num_rows();
+        let slice_rows = slice_rows(batch);
+        let mut offset = 0;
+        loop {
+            let length = slice_rows.min(rows - offset);
+            writer
+                .write(&batch.slice(offset, length))
+                .map_err(|e| failed(e.to_string()))?;
+            offset += length;
+            if offset >= rows {
+                break;
+            }
+        }
         writer.finish().map_err(|e| failed(e.to_string()))?;
         let file = writer
             .into_inner()
@@ -180,6 +197,13 @@ impl SpillDir {
         spilled.bytes = file.metadata().map_err(|e| failed(e.to_string()))?.len();
         Ok(spilled)
     }
+}
+
+/// Rows per slice written: about 4 MiB of the batch.
+fn slice_rows(batch: &RecordBatch) -> usize {
+    let bytes = batch.get_array_memory_size().max(1);
+    let rows = batch.num_rows().max(1);
+    ((4usize << 20) * rows / bytes).clamp(1024, rows.max(1024))
 }
 
 /// One spilled partition on disk; the file is removed when this is dropped.
@@ -215,10 +239,28 @@ impl SpillFile {
         let batches = reader
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.read_err(e))?;
-        match batches.len() {
-            1 => batches.into_iter().next().ok_or_else(|| self.read_err("no batch")),
-            _ => arrow::compute::concat_batches(&schema, &batches).map_err(|e| self.read_err(e)),
+        if batches.len() == 1 {
+            return batches
+                .into_iter()
+                .next()
+                .ok_or_else(|| self.read_err("no batch"));
         }
+        // Column by column, letting each column's slices go once combined: the partition is
+        // held about once, not twice.
+        let mut columns: Vec<Vec<ArrayRef>> =
+            vec![Vec::with_capacity(batches.len()); schema.fields().len()];
+        for batch in batches {
+            for (column, array) in columns.iter_mut().zip(batch.columns()) {
+                column.push(array.clone());
+            }
+        }
+        let mut combined = Vec::with_capacity(columns.len());
+        for parts in &mut columns {
+            let refs: Vec<&dyn Array> = parts.iter().map(|a| a.as_ref()).collect();
+            combined.push(arrow::compute::concat(&refs).map_err(|e| self.read_err(e))?);
+            parts.clear();
+        }
+        RecordBatch::try_new(schema, combined).map_err(|e| self.read_err(e))
     }
 
     /// The file's bytes: an Arrow IPC stream, as peers receive partitions.
@@ -249,7 +291,10 @@ mod tests {
 
     fn batch() -> RecordBatch {
         RecordBatch::try_from_iter([
-            ("x", Arc::new(Int64Array::from(vec![Some(1), None, Some(3)])) as _),
+            (
+                "x",
+                Arc::new(Int64Array::from(vec![Some(1), None, Some(3)])) as _,
+            ),
             ("s", Arc::new(StringArray::from(vec!["a", "b", "c"])) as _),
         ])
         .unwrap()
@@ -272,6 +317,26 @@ mod tests {
         assert!(path.exists());
         drop(file);
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_large_batch_is_written_in_slices_and_read_back_whole() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = SpillDir::open(root.path(), "w").unwrap();
+        let rows = 1_000_000;
+        let big = RecordBatch::try_from_iter([(
+            "x",
+            Arc::new(Int64Array::from_iter(
+                (0..rows).map(|i| (i % 3 != 0).then_some(i)),
+            )) as _,
+        )])
+        .unwrap();
+        assert!(slice_rows(&big) < rows as usize);
+        let file = dir.write(&big).unwrap();
+        assert_eq!(file.read().unwrap(), big);
+        // An empty batch survives too.
+        let empty = big.slice(0, 0);
+        assert_eq!(dir.write(&empty).unwrap().read().unwrap(), empty);
     }
 
     #[test]
@@ -314,7 +379,10 @@ mod tests {
 
         let again = SpillDir::open(root.path(), "w1").unwrap();
         assert!(!leftover_path.exists(), "this worker's leftover is gone");
-        assert!(again.path().join("notes.txt").exists(), "files wrk did not write stay");
+        assert!(
+            again.path().join("notes.txt").exists(),
+            "files wrk did not write stay"
+        );
         assert!(again.path().join(MARKER).exists());
         assert!(!dead.exists(), "a dead worker's directory is gone");
         for kept in [&live, &remote, &foreign] {

@@ -32,7 +32,9 @@ impl Task for Memory {
                 sum("value_count").alias("value_count"),
             ])?]),
             "hold" => hold(),
-            other => Err(Error::msg(format!("test-guest-memory has no stage `{other}`"))),
+            other => Err(Error::msg(format!(
+                "test-guest-memory has no stage `{other}`"
+            ))),
         }
     }
 }
