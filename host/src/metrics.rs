@@ -4,7 +4,7 @@
 use std::cell::RefCell;
 
 use prometheus::{
-    Counter, CounterVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    Counter, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder, exponential_buckets,
 };
 
@@ -30,11 +30,13 @@ pub struct WorkerMetrics {
     pub pool_peak: IntGauge,
     pub pool_leased: IntGauge,
     pub spilled_partitions: IntGauge,
-    pub spilled_bytes: IntGaugeVec,
+    pub spilled_now: IntGaugeVec,
     pub spills: IntCounter,
     pub unspills: IntCounter,
-    pub spill_bytes: IntCounterVec,
-    pub spill_seconds: CounterVec,
+    pub spilled_bytes: IntCounterVec,
+    pub unspilled_bytes: IntCounter,
+    pub spill_seconds: Counter,
+    pub unspill_seconds: Counter,
 }
 
 fn opts(name: &str, help: &str) -> Opts {
@@ -94,10 +96,10 @@ impl WorkerMetrics {
                 IntCounter::with_opts(opts(name, help)).unwrap_or_else(|e| panic!("{e}")),
             )
         };
-        let float_counter_vec = |name: &str, help: &str, labels: &[&str]| {
+        let float_counter = |name: &str, help: &str| {
             register(
                 target,
-                CounterVec::new(opts(name, help), labels).unwrap_or_else(|e| panic!("{e}")),
+                Counter::with_opts(opts(name, help)).unwrap_or_else(|e| panic!("{e}")),
             )
         };
         let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
@@ -164,28 +166,35 @@ impl WorkerMetrics {
                 "spilled_partitions",
                 "Partitions held outside the memory pool (spilled)",
             ),
-            spilled_bytes: gauge_vec(
-                "spilled_bytes",
+            spilled_now: gauge_vec(
+                "pool_spilled_bytes",
                 "Bytes of partitions spilled out of the memory pool now, by tier",
                 &["tier"],
             ),
             spills: counter(
-                "spill_total",
+                "spills_total",
                 "Partitions moved out of the memory pool under pressure",
             ),
             unspills: counter(
-                "unspill_total",
+                "unspills_total",
                 "Spilled partitions read back into the memory pool",
             ),
-            spill_bytes: counter_vec(
-                "spill_bytes_total",
-                "Bytes moved out of (`out`) and back into (`in`) the memory pool",
-                &["direction"],
+            spilled_bytes: counter_vec(
+                "spilled_bytes_total",
+                "Bytes spilled out of the memory pool, by tier",
+                &["tier"],
             ),
-            spill_seconds: float_counter_vec(
+            unspilled_bytes: counter(
+                "unspilled_bytes_total",
+                "Bytes read back into the memory pool",
+            ),
+            spill_seconds: float_counter(
                 "spill_seconds_total",
-                "Time spent moving partitions out of (`out`) and back into (`in`) the memory pool",
-                &["direction"],
+                "Time spent spilling partitions out of the memory pool",
+            ),
+            unspill_seconds: float_counter(
+                "unspill_seconds_total",
+                "Time spent reading spilled partitions back into the memory pool",
             ),
             names: names.into_inner(),
             registry,
@@ -206,40 +215,25 @@ impl WorkerMetrics {
         gauge(&self.pool_used, stats.used);
         gauge(&self.pool_peak, stats.peak);
         gauge(&self.pool_leased, stats.leased);
-        for tier in Tier::ALL {
-            let bytes = match tier {
-                Tier::Host => stats.spilled_host,
-                Tier::Disk => stats.spilled_disk,
-            };
-            gauge(
-                &self.spilled_bytes.with_label_values(&[tier.as_str()]),
-                bytes,
-            );
-        }
         let advance = |c: &IntCounter, v: u64| c.inc_by(v.saturating_sub(c.get()));
+        for tier in Tier::ALL {
+            let (now, total) = match tier {
+                Tier::Host => (stats.spilled_host, stats.spilled_host_total),
+                Tier::Disk => (stats.spilled_disk, stats.spilled_disk_total),
+            };
+            gauge(&self.spilled_now.with_label_values(&[tier.as_str()]), now);
+            advance(&self.spilled_bytes.with_label_values(&[tier.as_str()]), total);
+        }
         advance(&self.spills, stats.spills);
         advance(&self.unspills, stats.unspills);
-        advance(
-            &self.spill_bytes.with_label_values(&["out"]),
-            stats.spilled_bytes_total,
-        );
-        advance(
-            &self.spill_bytes.with_label_values(&["in"]),
-            stats.unspilled_bytes_total,
-        );
+        advance(&self.unspilled_bytes, stats.unspilled_bytes_total);
         let advance_secs = |c: &Counter, v: f64| {
             if v > c.get() {
                 c.inc_by(v - c.get());
             }
         };
-        advance_secs(
-            &self.spill_seconds.with_label_values(&["out"]),
-            stats.spill_seconds,
-        );
-        advance_secs(
-            &self.spill_seconds.with_label_values(&["in"]),
-            stats.unspill_seconds,
-        );
+        advance_secs(&self.spill_seconds, stats.spill_seconds);
+        advance_secs(&self.unspill_seconds, stats.unspill_seconds);
     }
 
     /// The name of every metric family exported (histograms add `_bucket`, `_sum` and `_count`),
@@ -267,6 +261,7 @@ mod tests {
             size: 1000,
             used: 400,
             spilled_disk: 300,
+            spilled_disk_total: 300,
             spills: 2,
             spill_seconds: 0.5,
             ..PoolStats::default()
@@ -274,6 +269,7 @@ mod tests {
         metrics.observe_pool(&PoolStats {
             size: 1000,
             used: 500,
+            spilled_disk_total: 450,
             spills: 3,
             spill_seconds: 0.75,
             ..PoolStats::default()
@@ -282,10 +278,11 @@ mod tests {
         for series in [
             "wrk_worker_pool_size_bytes 1000",
             "wrk_worker_pool_used_bytes 500",
-            "wrk_worker_spill_total 3",
-            r#"wrk_worker_spill_seconds_total{direction="out"} 0.75"#,
-            r#"wrk_worker_spilled_bytes{tier="disk"} 0"#,
-            r#"wrk_worker_spilled_bytes{tier="host"} 0"#,
+            "wrk_worker_spills_total 3",
+            "wrk_worker_spill_seconds_total 0.75",
+            r#"wrk_worker_spilled_bytes_total{tier="disk"} 450"#,
+            r#"wrk_worker_spilled_bytes_total{tier="host"} 0"#,
+            r#"wrk_worker_pool_spilled_bytes{tier="disk"} 0"#,
         ] {
             assert!(text.contains(series), "{series} in {text}");
         }

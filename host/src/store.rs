@@ -19,7 +19,7 @@ use crate::memory::spill::{SpillDir, SpillError, SpillFile};
 use crate::table::Table;
 
 /// How long an admission waits for running tasks to give memory back before failing.
-pub const DEFAULT_ADMISSION_TIMEOUT: Duration = Duration::from_secs(120);
+pub const ADMISSION_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long every other running task must have been waiting too before a waiter gives way:
 /// long enough for a task that is about to finish (or a peer transfer) to let go.
 const DEADLOCK_GRACE: Duration = Duration::from_millis(300);
@@ -140,7 +140,6 @@ pub struct PartitionStore {
     spill: SpillDir,
     inner: Mutex<Inner>,
     changed: Condvar,
-    admission_timeout: Duration,
 }
 
 impl std::fmt::Debug for PartitionStore {
@@ -162,7 +161,6 @@ impl PartitionStore {
             spill,
             inner: Mutex::default(),
             changed: Condvar::new(),
-            admission_timeout: DEFAULT_ADMISSION_TIMEOUT,
         }
     }
 
@@ -170,14 +168,6 @@ impl PartitionStore {
     pub fn with_buffers(self, buffers: Arc<crate::memory::buffers::BufferPool>) -> Self {
         let pool = self.pool.with_buffers(buffers);
         Self { pool, ..self }
-    }
-
-    /// The same store, giving up admissions after `timeout`.
-    pub fn with_admission_timeout(self, timeout: Duration) -> Self {
-        Self {
-            admission_timeout: timeout,
-            ..self
-        }
     }
 
     pub fn pool_size(&self) -> u64 {
@@ -481,7 +471,7 @@ impl PartitionStore {
             } else {
                 stuck_since = None;
             }
-            if started.elapsed() >= self.admission_timeout {
+            if started.elapsed() >= ADMISSION_TIMEOUT {
                 let reason = format!(
                     "gave up after waiting {:.1?} for running tasks to give memory back",
                     started.elapsed()

@@ -128,7 +128,6 @@ pub async fn run(
     let worker_id = config.worker_id.clone().unwrap_or_else(default_worker_id);
     let engine = TaskEngine::new(config.engine.clone())?;
     let spill = SpillDir::open(&config.spill_root, &worker_id)?;
-    tracing::info!(worker = %worker_id, pool_bytes = config.pool_bytes, spill = %spill.path().display(), "memory pool ready");
     // Up to an eighth of the pool may be free blocks kept for operators to reuse.
     let buffers = crate::memory::buffers::global();
     buffers.set_limit(config.pool_bytes / 8);

@@ -370,3 +370,35 @@ tasks = 2
         .unwrap_or_else(|| panic!("no failed attempt in\n{body}"));
     assert!(failed.ends_with(" 1"), "{failed}");
 }
+
+#[test]
+fn inconsistent_memory_settings_stop_the_worker_at_start_naming_the_sizes() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let output = Command::new(wrk())
+            .args(["worker", "--scheduler", "http://127.0.0.1:9"])
+            .args(args)
+            .env_remove("WRK_MEMORY_LIMIT_BYTES")
+            .env_remove("WRK_POOL_BYTES")
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let err = run(&["--memory-limit", "1GiB", "--pool-size", "2GiB"], &[]);
+    assert!(err.contains("pool of 2.0 GiB"), "{err}");
+    assert!(err.contains("memory limit of 1.0 GiB"), "{err}");
+    // The operator's environment variables are read the same way.
+    let err = run(
+        &[],
+        &[
+            ("WRK_MEMORY_LIMIT_BYTES", "1073741824"),
+            ("WRK_POOL_BYTES", "2147483648"),
+        ],
+    );
+    assert!(err.contains("does not fit in the memory limit"), "{err}");
+    let err = run(&["--memory-limit", "1PiB"], &[]);
+    assert!(err.contains("more than this machine offers"), "{err}");
+    let err = run(&["--pool-size", "lots"], &[]);
+    assert!(err.contains("`lots` is not a size"), "{err}");
+}

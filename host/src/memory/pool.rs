@@ -59,8 +59,9 @@ pub struct PoolStats {
     /// Partitions moved out of the pool, and back in, since the worker started.
     pub spills: u64,
     pub unspills: u64,
-    /// Bytes moved out and back in since the worker started.
-    pub spilled_bytes_total: u64,
+    /// Bytes moved out to host memory and to disk, and back in, since the worker started.
+    pub spilled_host_total: u64,
+    pub spilled_disk_total: u64,
     pub unspilled_bytes_total: u64,
     /// Time spent moving partitions out and back in.
     pub spill_seconds: f64,
@@ -334,7 +335,9 @@ impl Pool {
             spilled_disk: spilled[1],
             spills: self.spills.count.load(Ordering::Relaxed),
             unspills: self.unspills.count.load(Ordering::Relaxed),
-            spilled_bytes_total: self.spills.bytes.load(Ordering::Relaxed),
+            // The CPU backend spills host memory to disk only.
+            spilled_host_total: 0,
+            spilled_disk_total: self.spills.bytes.load(Ordering::Relaxed),
             unspilled_bytes_total: self.unspills.bytes.load(Ordering::Relaxed),
             spill_seconds: self.spills.seconds(),
             unspill_seconds: self.unspills.seconds(),

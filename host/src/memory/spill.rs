@@ -3,10 +3,11 @@
 //! worker left them behind.
 //!
 //! Every worker spills into `<spill root>/wrk-spill-<worker id>/`, a directory holding a marker
-//! file ([`MARKER`]) naming the host and process that own it. At start a worker empties the
-//! directories of dead workers of its host (their process is gone, or it is this very process:
-//! a restarted container's first process has the same number), then takes its own, or, when a
-//! live worker of the same id holds that, one suffixed with its process number. It only ever
+//! file ([`MARKER`]) naming the host and process that own it (its number and start time, since
+//! a restarted container's first process has the same number as the last one's). At start a
+//! worker empties the directories of dead workers of its host, then takes its own, or, when a
+//! live worker of the same id holds that, one suffixed with its process number; it removes its
+//! directory when it stops. It only ever
 //! deletes files named like the ones it writes (`part-*.arrows`) in directories carrying the
 //! marker, so a mistyped `--spill-dir` never costs anyone their files.
 
@@ -72,17 +73,32 @@ fn dir_name(worker_id: &str) -> String {
     format!("{DIR_PREFIX}{safe}")
 }
 
-/// Whether a spill directory's marker names a process of this host that no longer runs (or
-/// this process, which is starting afresh).
+/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat`, field 22).
+fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The marker of a directory this process owns.
+fn marker(host: &str, worker_id: &str) -> String {
+    let pid = std::process::id();
+    let start = process_start(pid).unwrap_or(0);
+    format!("{host} {pid} {start} {worker_id}\n")
+}
+
+/// Whether a spill directory's marker names a process of this host that no longer runs.
 fn owner_is_gone(marker: &str, host: &str) -> bool {
     let mut fields = marker.split_whitespace();
-    let (Some(owner_host), Some(pid)) = (fields.next(), fields.next()) else {
+    let (Some(owner_host), Some(pid), Some(start)) = (fields.next(), fields.next(), fields.next())
+    else {
         return false;
     };
-    owner_host == host
-        && pid.parse::<u32>().is_ok_and(|pid| {
-            pid == std::process::id() || !Path::new(&format!("/proc/{pid}")).exists()
-        })
+    let (Ok(pid), Ok(start)) = (pid.parse::<u32>(), start.parse::<u64>()) else {
+        return false;
+    };
+    owner_host == host && process_start(pid) != Some(start)
 }
 
 /// Deletes the spill files (and the marker) of one spill directory, then the directory if it
@@ -141,11 +157,8 @@ impl SpillDir {
             tracing::info!(root = %root.display(), removed, "removed spill files left by earlier workers");
         }
         std::fs::create_dir_all(&dir).map_err(|e| prepare(&dir, e))?;
-        std::fs::write(
-            dir.join(MARKER),
-            format!("{host} {} {worker_id}\n", std::process::id()),
-        )
-        .map_err(|e| prepare(&dir, e))?;
+        std::fs::write(dir.join(MARKER), marker(&host, worker_id))
+            .map_err(|e| prepare(&dir, e))?;
         Ok(SpillDir {
             dir,
             next: AtomicU64::new(0),
@@ -196,6 +209,12 @@ impl SpillDir {
             .map_err(|e| failed(e.to_string()))?;
         spilled.bytes = file.metadata().map_err(|e| failed(e.to_string()))?.len();
         Ok(spilled)
+    }
+}
+
+impl Drop for SpillDir {
+    fn drop(&mut self) {
+        clean(&self.dir);
     }
 }
 
@@ -344,7 +363,8 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("wrk-spill-w");
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join(MARKER), format!("{} 1 w\n", host_name())).unwrap();
+        let start = process_start(1).unwrap();
+        std::fs::write(dir.join(MARKER), format!("{} 1 {start} w\n", host_name())).unwrap();
         std::fs::write(dir.join("part-0000000000.arrows"), b"x").unwrap();
         let ours = SpillDir::open(root.path(), "w").unwrap();
         assert_ne!(ours.path(), dir);
@@ -359,8 +379,8 @@ mod tests {
         let leftover = first.write(&batch()).unwrap();
         let leftover_path = leftover.path().to_path_buf();
         std::mem::forget(leftover);
-        // A dead worker of this host, a live one (this process), another host's, and a
-        // directory that is not a spill directory at all.
+        // Beside it: a dead worker of this host, a live one, another host's, and a directory
+        // that is not a spill directory at all.
         let host = host_name();
         let make = |name: &str, marker: Option<String>| {
             let dir = root.path().join(name);
@@ -371,13 +391,29 @@ mod tests {
             std::fs::write(dir.join("part-0000000000.arrows"), b"x").unwrap();
             dir
         };
-        let dead = make("wrk-spill-dead", Some(format!("{host} 4294967 dead\n")));
-        let live = make("wrk-spill-live", Some(format!("{host} 1 live\n")));
-        let remote = make("wrk-spill-remote", Some("another-host 4294967 r\n".into()));
+        let dead = make("wrk-spill-dead", Some(format!("{host} 4294967 5 dead\n")));
+        // A restarted container's first process: the same number, another start.
+        let me = std::process::id();
+        let restarted = make("wrk-spill-old", Some(format!("{host} {me} 1 old\n")));
+        let start = process_start(1).unwrap();
+        let live = make("wrk-spill-live", Some(format!("{host} 1 {start} live\n")));
+        // Another worker of this very process (a local cluster).
+        let sibling = make("wrk-spill-sibling", Some(marker(&host, "sibling")));
+        let remote = make("wrk-spill-remote", Some("another-host 4294967 5 r\n".into()));
         let foreign = make("wrk-spill-foreign", None);
         std::fs::write(first.path().join("notes.txt"), b"keep").unwrap();
 
+        // The crash: the directory stays, and its marker names a process that is gone (the
+        // same number as this one, as in a restarted container, but another start).
+        let first_path = first.path().to_path_buf();
+        std::mem::forget(first);
+        std::fs::write(
+            first_path.join(MARKER),
+            format!("{host} {me} 1 w1\n"),
+        )
+        .unwrap();
         let again = SpillDir::open(root.path(), "w1").unwrap();
+        assert_eq!(again.path(), first_path);
         assert!(!leftover_path.exists(), "this worker's leftover is gone");
         assert!(
             again.path().join("notes.txt").exists(),
@@ -385,7 +421,8 @@ mod tests {
         );
         assert!(again.path().join(MARKER).exists());
         assert!(!dead.exists(), "a dead worker's directory is gone");
-        for kept in [&live, &remote, &foreign] {
+        assert!(!restarted.exists(), "so is the last container's");
+        for kept in [&live, &sibling, &remote, &foreign] {
             assert!(
                 kept.join("part-0000000000.arrows").exists(),
                 "{} is kept",
