@@ -31,4 +31,4 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --features wrk-tests/ucx -- -D warnings
 cargo test --workspace --features wrk-tests/ucx --exclude taxi-haversine --exclude noop \
     --exclude test-guest-trap --exclude test-guest-spin --exclude test-guest-hog \
-    --exclude test-guest-slow
+    --exclude test-guest-slow --exclude test-guest-memory

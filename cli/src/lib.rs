@@ -6,10 +6,12 @@
 //! - [`taxi`]: the deterministic taxi-trip data generator.
 //! - [`output`]: printing and writing results.
 //! - [`report`]: the HTML performance report of `wrk submit --report`.
+//! - [`reuse`]: the buffer-reuse benchmark of `wrk bench-reuse`.
 
 pub mod client;
 pub mod job;
 pub mod local;
 pub mod output;
 pub mod report;
+pub mod reuse;
 pub mod taxi;

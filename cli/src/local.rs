@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use wrk_host::engine::EngineConfig;
+use wrk_host::memory::{MachineMemory, SizeSpec};
 use wrk_host::worker::{self, WorkerConfig};
 use wrk_scheduler::SchedulerConfig;
 
@@ -23,6 +24,23 @@ pub struct LocalClusterConfig {
     /// Where the scheduler serves HTTP (metrics, health); workers then serve their metrics on
     /// free ports. `None`: no HTTP at all.
     pub http: Option<SocketAddr>,
+    /// Each worker's memory pool: bytes, or a fraction of the machine's memory shared by all
+    /// workers; `None` shares 70% of it.
+    pub pool: Option<SizeSpec>,
+    /// Where workers spill (each in its own subdirectory); `None`: the default spill root.
+    pub spill_root: Option<PathBuf>,
+}
+
+/// Each of `workers` workers' pool, checked against the machine.
+pub fn worker_pool_bytes(pool: Option<SizeSpec>, workers: usize) -> Result<u64> {
+    let workers = workers.max(1) as u64;
+    let total = match pool {
+        Some(SizeSpec::Bytes(bytes)) => Some(SizeSpec::Bytes(bytes.saturating_mul(workers))),
+        other => other,
+    };
+    let settings = wrk_host::memory::size::resolve(None, total, MachineMemory::detect()?)
+        .with_context(|| format!("the pools of {workers} local workers do not fit"))?;
+    Ok(settings.pool / workers)
 }
 
 /// A running local cluster; dropping it does not stop it, [`LocalCluster::shutdown`] does.
@@ -72,6 +90,11 @@ impl LocalCluster {
             Some(listener) => Some(format!("http://{}", listener.local_addr()?)),
             None => None,
         };
+        let pool_bytes = worker_pool_bytes(config.pool, config.workers)?;
+        let spill_root = config
+            .spill_root
+            .clone()
+            .unwrap_or_else(wrk_host::memory::spill::default_root);
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = Vec::new();
         let scheduler_stop = stop_rx.clone();
@@ -104,6 +127,8 @@ impl LocalCluster {
                 token: None,
                 shuffle_port: 0,
                 transport: wrk_host::shuffle::TransportChoice::Tcp,
+                pool_bytes,
+                spill_root: spill_root.clone(),
             };
             let worker_stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move {

@@ -5,6 +5,20 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `mi_option_purge_delay` (its `mi_option_e` in `include/mimalloc.h`, v2 and v3).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Makes mimalloc give freed memory back to the OS at once rather than after its purge delay
+/// (10 ms, times 10 for large blocks): a worker's resident memory must follow its pool, which
+/// frees partitions as it spills them (measured: 100 MiB more at peak with the delay, in
+/// `tests/tests/memory.rs`). Operators that allocate the same buffers over and over get them
+/// from the buffer pool instead (`wrk_host::memory::buffers`).
+fn return_freed_memory_at_once() {
+    // SAFETY: sets a plain integer option of the allocator, from `main` before any other
+    // thread exists.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) }
+}
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,7 +31,10 @@ use wrk_cli::local::{LocalCluster, LocalClusterConfig};
 use wrk_cli::{client, output, taxi};
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
 use wrk_host::guest_api::TaskInfo;
+use wrk_host::memory::size::{self, MachineMemory, SizeSpec};
+use wrk_host::memory::spill::{self as spill, SpillDir};
 use wrk_host::shuffle::TransportChoice;
+use wrk_host::store::PartitionStore;
 use wrk_host::table::Table;
 use wrk_host::worker::WorkerConfig;
 use wrk_proto::{JobRef, JobState};
@@ -118,6 +135,14 @@ enum Command {
         #[arg(long)]
         dimensions: Option<PathBuf>,
     },
+    /// Measure what reusing operators' output buffers saves on a repeated operator.
+    #[command(hide = true)]
+    BenchReuse {
+        #[arg(long, default_value_t = 4_000_000)]
+        rows: usize,
+        #[arg(long, default_value_t = 40)]
+        iterations: u32,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -137,6 +162,14 @@ struct ClusterArgs {
     /// Where compiled components are cached (default: $WRK_CACHE_DIR or ~/.cache/wrk/components).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
+    /// Each worker's memory pool: bytes (`2GiB`) or a fraction of the machine's memory shared by
+    /// all workers (default 0.7).
+    #[arg(long)]
+    pool_size: Option<SizeSpec>,
+    /// Where workers spill partitions (default: wrk-spill under the system's temporary
+    /// directory).
+    #[arg(long)]
+    spill_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -214,6 +247,18 @@ struct WorkerArgs {
     /// workers of a pair do, else TCP), tcp, or ucx (fail at start without it).
     #[arg(long, env = "WRK_TRANSPORT", default_value = "auto")]
     transport: TransportChoice,
+    /// What this worker may use in all (the container's memory limit), with a unit (`16GiB`);
+    /// default: the machine's memory, or its cgroup's limit when lower.
+    #[arg(long, env = "WRK_MEMORY_LIMIT_BYTES")]
+    memory_limit: Option<SizeSpec>,
+    /// The worker's memory pool: bytes (`512MiB`, `12GiB`) or a fraction of the memory limit
+    /// (default 0.7, leaving 30% for the runtime, guests and transient buffers).
+    #[arg(long, env = "WRK_POOL_BYTES")]
+    pool_size: Option<SizeSpec>,
+    /// Where to spill partitions under memory pressure; the worker uses its own subdirectory
+    /// (default: wrk-spill under the system's temporary directory).
+    #[arg(long, env = "WRK_SPILL_DIR")]
+    spill_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -264,8 +309,16 @@ fn init_tracing(default: &str) {
         .init();
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    return_freed_memory_at_once();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     let cli = Cli::parse();
     let service = matches!(
         cli.command,
@@ -324,6 +377,13 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::Worker(args) => {
+            let memory = size::resolve(args.memory_limit, args.pool_size, MachineMemory::detect()?)
+                .context("the worker's memory settings (--memory-limit, --pool-size) do not fit")?;
+            tracing::info!(
+                "memory limit {}, pool {}",
+                size::Bytes(memory.limit),
+                size::Bytes(memory.pool)
+            );
             let config = WorkerConfig {
                 scheduler: args.scheduler,
                 listen: args.listen,
@@ -341,6 +401,8 @@ async fn main() -> Result<()> {
                 token: args.token,
                 shuffle_port: args.shuffle_port,
                 transport: args.transport,
+                pool_bytes: memory.pool,
+                spill_root: args.spill_dir.unwrap_or_else(spill::default_root),
             };
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())
@@ -367,6 +429,27 @@ async fn main() -> Result<()> {
         }
         Command::Run(args) => run_one(args).await,
         Command::Operator { command } => Ok(wrk_operator::cli::run(command).await?),
+        Command::BenchReuse { rows, iterations } => {
+            let (off, on) =
+                tokio::task::spawn_blocking(move || wrk_cli::reuse::run(rows, iterations))
+                    .await??;
+            for (mode, f) in [("fresh buffers", off), ("reused buffers", on)] {
+                println!(
+                    "{mode:>15}: {:>8.3} ms per evaluation, {:>8.0} minor page faults per evaluation, {} blocks reused",
+                    f.per_evaluation.as_secs_f64() * 1e3,
+                    f.page_faults_per_evaluation,
+                    f.reused_blocks
+                );
+            }
+            println!(
+                "reuse saves {:.1}% of the time on {rows} rows",
+                100.0
+                    * (1.0
+                        - on.per_evaluation.as_secs_f64()
+                            / off.per_evaluation.as_secs_f64().max(1e-12))
+            );
+            Ok(())
+        }
         Command::GenTaxi {
             out,
             rows,
@@ -426,6 +509,8 @@ async fn submit(args: SubmitArgs) -> Result<()> {
                     .cache_dir
                     .or_else(wrk_host::engine::default_cache_dir),
                 http: None,
+                pool: args.cluster.pool_size,
+                spill_root: args.cluster.spill_dir,
             })
             .await?;
             cluster
@@ -480,6 +565,8 @@ async fn up(cluster: ClusterArgs, listen: SocketAddr, http_listen: SocketAddr) -
             .cache_dir
             .or_else(wrk_host::engine::default_cache_dir),
         http: Some(http_listen),
+        pool: cluster.pool_size,
+        spill_root: cluster.spill_dir,
     })
     .await?;
     local
@@ -523,6 +610,15 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                     "partitions": w.partitions,
                     "memory_used_bytes": w.pool_used_bytes,
                     "pool_bytes": w.pool_bytes,
+                    "pool": {
+                        "size_bytes": w.pool_bytes,
+                        "used_bytes": w.pool_used_bytes,
+                        "peak_bytes": w.pool_peak_bytes,
+                        "spilled_bytes": w.spilled_bytes,
+                        "spilled_partitions": w.spilled_partitions,
+                        "spills": w.spill_count,
+                        "unspills": w.unspill_count,
+                    },
                 })
             })
             .collect();
@@ -553,15 +649,22 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
     }
     println!("workers: {}", status.workers.len());
     for w in &status.workers {
+        let mib = |bytes: u64| bytes as f64 / (1 << 20) as f64;
         println!(
-            "  {:<24} {:<28} {:<6} tasks {}/{}  partitions {}  memory {:.1} MiB  {}",
+            "  {:<24} {:<28} {:<6} tasks {}/{}  partitions {}  pool {:.1}/{:.1} MiB (peak {:.1})  spilled {:.1} MiB in {} partitions ({} out, {} back)  {}",
             w.worker_id,
             w.data_address,
             w.device,
             w.running_tasks,
             w.slots,
             w.partitions,
-            w.pool_used_bytes as f64 / (1 << 20) as f64,
+            mib(w.pool_used_bytes),
+            mib(w.pool_bytes),
+            mib(w.pool_peak_bytes),
+            mib(w.spilled_bytes),
+            w.spilled_partitions,
+            w.spill_count,
+            w.unspill_count,
             if w.http_address.is_empty() {
                 String::new()
             } else {
@@ -618,6 +721,12 @@ async fn run_one(args: RunArgs) -> Result<()> {
         module_name: name.clone(),
         shuffle: None,
     });
+    let pool = size::resolve(None, None, MachineMemory::detect()?)?.pool;
+    let spill = SpillDir::open(
+        &spill::default_root(),
+        &format!("run-{}", std::process::id()),
+    )?;
+    let store = Arc::new(PartitionStore::new(pool, spill));
     let run = tokio::task::spawn_blocking(move || -> Result<_> {
         let tables = inputs
             .iter()
@@ -627,7 +736,11 @@ async fn run_one(args: RunArgs) -> Result<()> {
             .collect::<Result<Vec<_>, _>>()?;
         let compiled = engine.prepare(&name, &module_hash(&wasm), &wasm)?;
         let never_cancelled = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        Ok(engine.run(&compiled, info, tables, limits, never_cancelled)?)
+        let memory = store.begin_task("run");
+        for table in &tables {
+            memory.track(table.batch())?;
+        }
+        Ok(engine.run(&compiled, info, tables, limits, never_cancelled, memory)?)
     })
     .await??;
     eprintln!(

@@ -176,7 +176,14 @@ async fn raw(address: &str, total: u64, chunk: usize) -> Result<f64> {
 /// `ucx_perftest` tag bandwidth for `count` messages of `size` bytes, in GB/s.
 fn ucx_perftest(size: usize, count: usize) -> Option<f64> {
     let port = "23457";
-    let args = ["-t", "tag_bw", "-s", &size.to_string(), "-n", &count.to_string()];
+    let args = [
+        "-t",
+        "tag_bw",
+        "-s",
+        &size.to_string(),
+        "-n",
+        &count.to_string(),
+    ];
     let mut server = Command::new("ucx_perftest")
         .args(["-p", port])
         .args(args)

@@ -22,6 +22,7 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use crate::guest_api::bindings::{Task, TaskPre};
 use crate::guest_api::{CopyStats, TaskInfo, TaskState, WIT_PACKAGE, WIT_VERSION};
 use crate::limits::{MemoryLimitExceeded, MemoryLimiter};
+use crate::store::TaskMemory;
 use crate::table::Table;
 use prometheus::IntCounterVec;
 
@@ -88,6 +89,10 @@ pub enum TaskError {
         module: String,
         source: MemoryLimitExceeded,
     },
+    #[error(
+        "module `{module}` could not get memory while other tasks held it ({detail}); it may succeed when run again"
+    )]
+    GaveWay { module: String, detail: String },
     #[error("module `{module}` returned an error ({code}): {message}")]
     Guest {
         module: String,
@@ -96,6 +101,13 @@ pub enum TaskError {
     },
     #[error("the worker failed running module `{module}`: {detail}")]
     Host { module: String, detail: String },
+}
+
+impl TaskError {
+    /// Whether another attempt may succeed.
+    pub fn retriable(&self) -> bool {
+        matches!(self, TaskError::GaveWay { .. })
+    }
 }
 
 fn guest_output_suffix(output: &str) -> String {
@@ -385,8 +397,8 @@ impl TaskEngine {
         Ok(())
     }
 
-    /// Runs one task attempt in a fresh store. Blocking: call it from a blocking thread. Setting
-    /// `cancel` stops the guest within an epoch tick.
+    /// Runs one task attempt in a fresh store, its tables counted in `memory`. Blocking: call
+    /// it from a blocking thread. Setting `cancel` stops the guest within an epoch tick.
     pub fn run(
         &self,
         compiled: &CompiledTask,
@@ -394,6 +406,7 @@ impl TaskEngine {
         inputs: Vec<Table>,
         limits: TaskLimits,
         cancel: Arc<AtomicBool>,
+        memory: Arc<TaskMemory>,
     ) -> Result<TaskRun, TaskError> {
         let started = Instant::now();
         let module = compiled.name.clone();
@@ -409,7 +422,7 @@ impl TaskEngine {
         let memory_limit = usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX);
         let mut store = Store::new(
             &self.engine,
-            TaskState::new(info, wasi, MemoryLimiter::new(memory_limit)),
+            TaskState::new(info, wasi, MemoryLimiter::new(memory_limit), memory),
         );
         store.limiter(|state| &mut state.limiter);
         // Every tick: stop a cancelled task, interrupt one past its time limit, else go on.
@@ -442,10 +455,17 @@ impl TaskEngine {
             Ok(returned) => returned,
             Err(e) => return Err(classify(e, &store)),
         };
-        let handles = returned.map_err(|e| TaskError::Guest {
-            module: module.clone(),
-            code: format!("{:?}", e.code).to_lowercase(),
-            message: e.message,
+        let handles = returned.map_err(|e| match store.data_mut().gave_way.take() {
+            // The guest failed after the pool turned it away for other tasks' sake.
+            Some(detail) => TaskError::GaveWay {
+                module: module.clone(),
+                detail,
+            },
+            None => TaskError::Guest {
+                module: module.clone(),
+                code: format!("{:?}", e.code).to_lowercase(),
+                message: e.message,
+            },
         })?;
         let state = store.data_mut();
         let outputs = handles

@@ -8,7 +8,8 @@
 //! - [`guest_api`]: the host side of the WIT interfaces.
 //! - [`expr`], [`table`], [`cpu`]: expressions, tables and the CPU (Arrow) backend.
 //! - [`io`]: Parquet sources and sinks.
-//! - [`store`]: the worker's partitions.
+//! - [`memory`]: the worker's memory pool: sizing, accounting, spill files.
+//! - [`store`]: the worker's partitions, spilled and read back under memory pressure.
 //! - [`metrics`]: the worker's Prometheus metrics.
 //! - [`transfer`]: the peer-to-peer partition service and client.
 //! - [`shuffle`]: the P2P shuffle: piece store, transports, a task's exchanges.
@@ -20,6 +21,7 @@ pub mod expr;
 pub mod guest_api;
 pub mod io;
 pub mod limits;
+pub mod memory;
 pub mod metrics;
 mod prune;
 pub mod remote;

@@ -39,6 +39,12 @@ impl Table {
         self.batch.num_rows()
     }
 
+    /// How many handles share this table (the store, tasks, transfers): 1 means only its
+    /// current holder has it.
+    pub fn holders(&self) -> usize {
+        Arc::strong_count(&self.batch)
+    }
+
     /// Bytes of the Arrow buffers this table references.
     pub fn memory_bytes(&self) -> usize {
         self.batch.get_array_memory_size()

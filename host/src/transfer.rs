@@ -16,7 +16,7 @@ use wrk_proto::{DataChunk, MAX_MESSAGE_BYTES, PartitionKey};
 
 use crate::metrics::WorkerMetrics;
 use crate::store::{PartitionId, PartitionStore};
-use crate::table::{Table, decode_ipc, encode_ipc};
+use crate::table::{Table, decode_ipc};
 
 /// Size of one chunk of a transfer.
 const CHUNK_BYTES: usize = 4 << 20;
@@ -88,15 +88,18 @@ impl Worker for DataService {
             }
         }
         let key = request.into_inner();
-        let Some(table) = self.store.get(&PartitionId::from(&key)) else {
-            return Err(Status::not_found(format!(
-                "partition {key} is not held by worker {}",
-                self.worker_id
-            )));
-        };
-        let bytes = tokio::task::spawn_blocking(move || encode_ipc(table.batch()))
+        // A spilled partition is sent straight from its spill file (already an IPC stream).
+        let store = self.store.clone();
+        let id = PartitionId::from(&key);
+        let bytes = tokio::task::spawn_blocking(move || store.ipc_bytes(&id))
             .await
             .map_err(|e| Status::internal(format!("encoding partition {key}: {e}")))?
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "partition {key} is not held by worker {}",
+                    self.worker_id
+                ))
+            })?
             .map_err(|e| Status::internal(format!("encoding partition {key}: {e}")))?;
         self.metrics.count_transfer("served", bytes.len());
         let bytes = bytes::Bytes::from(bytes);
@@ -219,8 +222,10 @@ mod tests {
     use arrow::record_batch::RecordBatch;
     use wrk_proto::auth::partition_ticket;
 
-    fn service() -> (DataService, PartitionKey) {
-        let store = Arc::new(PartitionStore::new());
+    fn service() -> (DataService, PartitionKey, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let spill = crate::memory::SpillDir::open(dir.path(), "w").unwrap();
+        let store = Arc::new(PartitionStore::new(1 << 30, spill));
         let key = PartitionKey {
             job_id: "job-000001".into(),
             stage: 0,
@@ -235,6 +240,7 @@ mod tests {
         (
             DataService::new("w".into(), store, metrics, Some(b"cluster-secret".to_vec())),
             key,
+            dir,
         )
     }
 
@@ -250,7 +256,7 @@ mod tests {
 
     #[tokio::test]
     async fn partitions_are_served_only_with_their_ticket() {
-        let (service, key) = service();
+        let (service, key, _dir) = service();
         let missing = service
             .fetch_partition(request(&key, None))
             .await

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
@@ -24,11 +25,12 @@ use wrk_proto::{
 
 use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
 use crate::guest_api::{TaskInfo, WIT_VERSION};
+use crate::memory::spill::{SpillDir, SpillError};
 use crate::metrics::WorkerMetrics;
 use crate::shuffle::pieces::PieceStore;
 use crate::shuffle::tcp::TcpReceiver;
 use crate::shuffle::{ShuffleService, TaskShuffle, TransportChoice, UcxUnavailable};
-use crate::store::{PartitionId, PartitionStore};
+use crate::store::{PartitionId, PartitionStore, PoolError, StoreStats, TaskMemory};
 use crate::table::Table;
 use crate::transfer::{DataService, PeerClient};
 
@@ -54,6 +56,10 @@ pub struct WorkerConfig {
     pub shuffle_port: u16,
     /// The transport between workers for shuffles.
     pub transport: TransportChoice,
+    /// Size of the worker's memory pool (see `crate::memory::size` for choosing it).
+    pub pool_bytes: u64,
+    /// Where the worker spills partitions: its own directory under this root.
+    pub spill_root: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +83,8 @@ pub enum WorkerError {
         worker_id: String,
         detail: String,
     },
+    #[error(transparent)]
+    Spill(#[from] SpillError),
     #[error("lost the connection to the scheduler at {address}: {detail}")]
     SchedulerGone { address: String, detail: String },
     #[error(transparent)]
@@ -134,7 +142,12 @@ pub async fn run(
 ) -> Result<(), WorkerError> {
     let worker_id = config.worker_id.clone().unwrap_or_else(default_worker_id);
     let engine = TaskEngine::new(config.engine.clone())?;
-    let store = Arc::new(PartitionStore::new());
+    let spill = SpillDir::open(&config.spill_root, &worker_id)?;
+    // Up to an eighth of the pool may be free blocks kept for operators to reuse.
+    let buffers = crate::memory::buffers::global();
+    buffers.set_limit(config.pool_bytes / 8);
+    let store =
+        Arc::new(PartitionStore::new(config.pool_bytes, spill).with_buffers(buffers.clone()));
     let metrics = WorkerMetrics::new(engine.cache_outcomes());
     metrics.slots.set(i64::from(config.slots.max(1)));
 
@@ -235,7 +248,7 @@ pub async fn run(
         data_address: data_address.clone(),
         slots: config.slots.max(1),
         device: "cpu".into(),
-        pool_bytes: 0,
+        pool_bytes: config.pool_bytes,
         wit_version: WIT_VERSION.into(),
         http_address,
         shuffle_address: format!("{host}:{shuffle_port}"),
@@ -301,12 +314,10 @@ pub async fn run(
         tokio::select! {
             _ = &mut shutdown => break Ok(()),
             _ = heartbeat.tick() => {
-                let stats = shared.store.stats();
-                let beat = Heartbeat {
-                    pool_used_bytes: stats.bytes,
-                    running_tasks: shared.running.load(std::sync::atomic::Ordering::Relaxed),
-                    partitions: stats.partitions,
-                };
+                let beat = heartbeat_of(
+                    &shared.store.stats(),
+                    shared.running.load(std::sync::atomic::Ordering::Relaxed),
+                );
                 let _ = outbox.send(WorkerMessage { kind: Some(ToScheduler::Heartbeat(beat)) }).await;
             }
             message = inbound.message() => match message {
@@ -374,6 +385,10 @@ async fn serve_metrics(
                     let stats = store.stats();
                     metrics.partitions.set(stats.partitions as i64);
                     metrics.partition_bytes.set(stats.bytes as i64);
+                    metrics
+                        .spilled_partitions
+                        .set(stats.spilled_partitions as i64);
+                    metrics.observe_pool(&stats.pool);
                     (
                         [(
                             axum::http::header::CONTENT_TYPE,
@@ -392,6 +407,21 @@ async fn serve_metrics(
         }
     });
     Ok((server, bound))
+}
+
+/// What a heartbeat tells the scheduler about this worker.
+fn heartbeat_of(stats: &StoreStats, running_tasks: u32) -> Heartbeat {
+    Heartbeat {
+        pool_used_bytes: stats.pool.used,
+        running_tasks,
+        partitions: stats.partitions,
+        pool_bytes: stats.pool.size,
+        pool_peak_bytes: stats.pool.peak,
+        spilled_bytes: stats.pool.spilled_host + stats.pool.spilled_disk,
+        spilled_partitions: stats.spilled_partitions,
+        spill_count: stats.pool.spills,
+        unspill_count: stats.pool.unspills,
+    }
 }
 
 fn default_worker_id() -> String {
@@ -541,12 +571,15 @@ async fn execute(
     let started = Instant::now();
     let compiled = compiled_module(shared, &task).await?;
     let prepare = started.elapsed();
+    let id = task.task.clone().unwrap_or_default();
+    let memory = shared
+        .store
+        .begin_task(format!("{}/{}/{}", id.job_id, id.stage, id.index));
     let mut inputs = Vec::with_capacity(task.inputs.len());
     for input in &task.inputs {
-        inputs.push(load_input(shared, input).await?);
+        inputs.push(load_input(shared, input, &memory).await?);
     }
     let input_rows: u64 = inputs.iter().map(|t| t.num_rows() as u64).sum();
-    let id = task.task.clone().unwrap_or_default();
     let shuffle = if task.sends.is_empty() && task.receives.is_empty() {
         None
     } else {
@@ -592,7 +625,9 @@ async fn execute(
     };
     let runner = shared.clone();
     let run = tokio::task::spawn_blocking(move || {
-        runner.engine.run(&compiled, info, inputs, limits, cancel)
+        runner
+            .engine
+            .run(&compiled, info, inputs, limits, cancel, memory)
     })
     .await
     .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?;
@@ -603,7 +638,12 @@ async fn execute(
         (Err(e), Some(shuffle)) if shuffle.retriable_failure().is_some() => {
             return Err(Failure::retriable(e));
         }
-        (Err(e), _) => return Err(Failure::fatal(e)),
+        (Err(e), _) => {
+            return Err(Failure {
+                retriable: e.retriable(),
+                message: e.to_string(),
+            });
+        }
     };
     if let Some(shuffle) = &shuffle {
         shuffle.finish().await.map_err(Failure::retriable)?;
@@ -666,41 +706,87 @@ async fn compiled_module(
         .map_err(Failure::fatal)
 }
 
-async fn load_input(shared: &Arc<Shared>, input: &wrk_proto::TaskInput) -> Result<Table, Failure> {
+/// A pool failure as a task failure: retriable when other tasks were in the way.
+fn pool_failure(e: PoolError) -> Failure {
+    Failure {
+        retriable: e.retriable(),
+        message: e.to_string(),
+    }
+}
+
+/// Runs a blocking pool operation (it may spill, read back, or wait for memory).
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, Failure> + Send + 'static,
+) -> Result<T, Failure> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Failure::fatal(format!("memory thread failed: {e}")))?
+}
+
+async fn load_input(
+    shared: &Arc<Shared>,
+    input: &wrk_proto::TaskInput,
+    memory: &Arc<TaskMemory>,
+) -> Result<Table, Failure> {
     match &input.kind {
         Some(InputKind::Parquet(partition)) => {
-            let partition = partition.clone();
-            tokio::task::spawn_blocking(move || crate::io::read_partition(&partition))
-                .await
-                .map_err(|e| Failure::fatal(format!("read thread failed: {e}")))?
-                .map(Table::new)
-                .map_err(Failure::fatal)
+            let (partition, memory) = (partition.clone(), memory.clone());
+            blocking(move || {
+                // Room for the decoded batches and the table they are combined into.
+                let estimate = partition.estimated_bytes;
+                let size = memory.store().pool_size();
+                let reading = memory
+                    .lease(estimate.saturating_mul(2).min(size.max(estimate)))
+                    .map_err(pool_failure)?;
+                let table = crate::io::read_partition(&partition)
+                    .map(Table::new)
+                    .map_err(Failure::fatal)?;
+                memory.track(table.batch()).map_err(pool_failure)?;
+                drop(reading);
+                Ok(table)
+            })
+            .await
         }
-        Some(InputKind::Partition(location)) => load_partition(shared, location).await,
-        Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast).await,
+        Some(InputKind::Partition(location)) => load_partition(shared, location, memory).await,
+        Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast, memory).await,
         None => Err(Failure::fatal("a task input has no kind")),
     }
 }
 
-/// A partition held here or by a peer.
+/// A partition held here (read back if it was spilled) or by a peer, counted in the task's
+/// memory.
 async fn load_partition(
     shared: &Arc<Shared>,
     location: &wrk_proto::PartitionLocation,
+    memory: &Arc<TaskMemory>,
 ) -> Result<Table, Failure> {
     let key = location.key.clone().unwrap_or_default();
     if location.worker_id == shared.worker_id {
-        return shared.store.get(&PartitionId::from(&key)).ok_or_else(|| {
-            Failure::retriable(format!(
-                "partition {key} is no longer held by worker {}",
-                shared.worker_id
-            ))
-        });
+        let (store, memory) = (shared.store.clone(), memory.clone());
+        let worker_id = shared.worker_id.clone();
+        return blocking(move || {
+            store
+                .get(&PartitionId::from(&key), Some(&memory))
+                .map_err(pool_failure)?
+                .ok_or_else(|| {
+                    Failure::retriable(format!(
+                        "partition {key} is no longer held by worker {worker_id}"
+                    ))
+                })
+        })
+        .await;
     }
-    shared
+    let table = shared
         .peers
         .fetch(&location.address, &key, &location.ticket)
         .await
-        .map_err(Failure::retriable)
+        .map_err(Failure::retriable)?;
+    let memory = memory.clone();
+    blocking(move || {
+        memory.track(table.batch()).map_err(pool_failure)?;
+        Ok(table)
+    })
+    .await
 }
 
 /// A broadcast input: the first task of the worker to need it fetches and concatenates the
@@ -708,6 +794,7 @@ async fn load_partition(
 async fn load_broadcast(
     shared: &Arc<Shared>,
     broadcast: &wrk_proto::BroadcastInput,
+    memory: &Arc<TaskMemory>,
 ) -> Result<Table, Failure> {
     let job_id = broadcast
         .partitions
@@ -725,7 +812,7 @@ async fn load_broadcast(
     cell.get_or_try_init(|| async {
         let mut tables = Vec::with_capacity(broadcast.partitions.len());
         for location in &broadcast.partitions {
-            tables.push(load_partition(shared, location).await?);
+            tables.push(load_partition(shared, location, memory).await?);
         }
         let Some(first) = tables.first() else {
             return Err(Failure::fatal(format!(

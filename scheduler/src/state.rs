@@ -135,8 +135,9 @@ struct Worker {
     address: String,
     http_address: String,
     slots: u32,
-    /// Tasks assigned to the worker: running, or queued there.
-    running: HashSet<(u64, u32, u32)>,
+    /// Tasks assigned to the worker (running, or queued there), with the bytes each is
+    /// expected to hold in the worker's pool.
+    running: HashMap<(u64, u32, u32), u64>,
     /// Whether the worker is in the scheduler's idle queue.
     idle_queued: bool,
     outbox: WorkerOutbox,
@@ -148,6 +149,8 @@ struct Worker {
     pool_bytes: u64,
     pool_used_bytes: u64,
     partitions: u64,
+    /// The pool figures of the latest heartbeat.
+    beat: wrk_proto::Heartbeat,
     memory: MemoryHistory,
 }
 
@@ -159,6 +162,29 @@ impl Worker {
 
     fn free(&self) -> u32 {
         self.capacity().saturating_sub(self.running.len() as u32)
+    }
+
+    /// Pool bytes the tasks assigned here are expected to hold.
+    fn committed(&self) -> u64 {
+        self.running.values().sum()
+    }
+
+    /// Whether a task expected to hold `bytes` fits beside the tasks assigned here (a worker
+    /// that reported no pool size takes anything). Stored partitions do not count: the worker
+    /// spills them to make room.
+    fn fits(&self, bytes: u64) -> bool {
+        self.pool_bytes == 0 || self.committed() + bytes <= self.pool_bytes
+    }
+
+    /// Whether a task expected to hold `bytes` fits in this worker's pool at all.
+    fn could_ever_fit(&self, bytes: u64) -> bool {
+        self.pool_bytes == 0 || bytes <= self.pool_bytes
+    }
+
+    /// Pool bytes neither in use (as last reported) nor promised to assigned tasks.
+    fn free_pool(&self) -> u64 {
+        self.pool_bytes
+            .saturating_sub(self.pool_used_bytes.max(self.committed()))
     }
 }
 
@@ -190,6 +216,26 @@ pub struct State {
     recent: Recent,
     /// Finished jobs still holding their records, oldest first.
     retained: VecDeque<u64>,
+}
+
+/// The pool bytes a task is expected to hold: its Parquet partition's size estimate and the
+/// sizes of its input partitions.
+fn expected_bytes(job: &Job, task: TaskRef) -> u64 {
+    let stage = &job.spec.stages[task.stage as usize];
+    let parquet = stage
+        .partitions
+        .get(task.index as usize)
+        .map(|p| p.estimated_bytes)
+        .unwrap_or(0);
+    let inputs: u64 = job
+        .inputs_of(task.stage, task.index)
+        .into_iter()
+        .filter_map(|(s, i)| match &job.tasks[s as usize][i as usize].status {
+            TaskStatus::Done { outputs, .. } => Some(outputs.iter().map(|o| o.bytes).sum::<u64>()),
+            _ => None,
+        })
+        .sum();
+    parquet + inputs
 }
 
 fn is_terminal(state: JobState) -> bool {
@@ -563,7 +609,7 @@ impl State {
                 address: register.data_address.clone(),
                 http_address: register.http_address.clone(),
                 slots: register.slots.max(1),
-                running: HashSet::new(),
+                running: HashMap::new(),
                 idle_queued: false,
                 outbox,
                 last_seen: Instant::now(),
@@ -573,6 +619,7 @@ impl State {
                 pool_bytes: register.pool_bytes,
                 pool_used_bytes: 0,
                 partitions: 0,
+                beat: wrk_proto::Heartbeat::default(),
                 memory: MemoryHistory::default(),
             },
         );
@@ -586,6 +633,10 @@ impl State {
             worker.last_seen = Instant::now();
             worker.pool_used_bytes = beat.pool_used_bytes;
             worker.partitions = beat.partitions;
+            if beat.pool_bytes > 0 {
+                worker.pool_bytes = beat.pool_bytes;
+            }
+            worker.beat = *beat;
             worker.memory.sample(now_us, beat.pool_used_bytes);
         }
     }
@@ -700,7 +751,10 @@ impl State {
     }
 
     /// Assigns ready tasks to workers with free slots, preferring the worker that holds most of
-    /// a task's input bytes.
+    /// a task's input bytes, and only where the task's expected working set fits beside the
+    /// tasks already there. A task that fits no pool at all goes to the worker with the most
+    /// free pool (its spilling copes); one that would fit once running work ends waits for it,
+    /// and so do the tasks behind it (no starving a big task with small ones).
     pub fn dispatch(&mut self) -> Outgoing {
         let mut out = Vec::new();
         // Reducers whose worker is full wait for it, behind the tasks that can run now.
@@ -726,30 +780,43 @@ impl State {
             if let Some(pinned) = job.pinned_worker(task.stage, task.index) {
                 if self.workers.get(pinned).is_some_and(|w| w.free() > 0) {
                     let pinned = pinned.to_string();
-                    out.push(self.start(task, &pinned));
+                    out.push(self.start(task, &pinned, expected_bytes(job, task)));
                     self.requeue_if_free(&pinned);
                 } else {
                     pinned_waiting.push(task);
                 }
                 continue;
             }
-            let worker_id = match self.local_worker(job, task) {
+            let expected = expected_bytes(job, task);
+            let local = self.local_worker(job, task, expected);
+            let worker_id = match local {
                 Some(local) => local,
                 // Round robin over the workers with room: take the first, requeue it below.
-                None => match self.idle.pop_front() {
-                    Some(id) => {
-                        if let Some(w) = self.workers.get_mut(&id) {
-                            w.idle_queued = false;
-                        }
-                        id
-                    }
-                    None => {
+                None => match self.next_idle_fitting(expected) {
+                    Some(id) => id,
+                    None if self.workers.values().any(|w| w.could_ever_fit(expected)) => {
                         self.ready.push_front(task);
                         break;
                     }
+                    None => match self.most_free_pool() {
+                        Some(id) => {
+                            tracing::warn!(
+                                worker = %id,
+                                stage = task.stage,
+                                task = task.index,
+                                expected,
+                                "no worker's pool can hold this task's working set; placing it where most of the pool is free"
+                            );
+                            id
+                        }
+                        None => {
+                            self.ready.push_front(task);
+                            break;
+                        }
+                    },
                 },
             };
-            out.push(self.start(task, &worker_id));
+            out.push(self.start(task, &worker_id, expected));
             self.requeue_if_free(&worker_id);
         }
         self.ready.extend(pinned_waiting);
@@ -771,6 +838,38 @@ impl State {
             }
             job.publish();
         }
+    }
+
+    /// The first worker of the idle queue whose pool fits `expected` more bytes, taken out of
+    /// the queue (the others keep their places).
+    fn next_idle_fitting(&mut self, expected: u64) -> Option<String> {
+        let position = self.idle.iter().position(|id| {
+            self.workers
+                .get(id)
+                .is_some_and(|w| w.free() > 0 && w.fits(expected))
+        })?;
+        let id = self.idle.remove(position)?;
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.idle_queued = false;
+        }
+        Some(id)
+    }
+
+    /// The worker with a free slot and the most free pool.
+    fn most_free_pool(&mut self) -> Option<String> {
+        let id = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.free() > 0)
+            .max_by_key(|(id, w)| (w.free_pool(), std::cmp::Reverse(id.as_str())))
+            .map(|(id, _)| id.clone())?;
+        if let Some(w) = self.workers.get_mut(&id)
+            && w.idle_queued
+        {
+            w.idle_queued = false;
+            self.idle.retain(|queued| *queued != id);
+        }
+        Some(id)
     }
 
     /// Whether some worker has room, dropping stale entries (full or gone) from the idle queue.
@@ -808,8 +907,9 @@ impl State {
         number
     }
 
-    /// Among the workers holding `task`'s inputs, the one with room holding the most bytes.
-    fn local_worker(&self, job: &Job, task: TaskRef) -> Option<String> {
+    /// Among the workers holding `task`'s inputs, the one with room (a free slot, and pool for
+    /// `expected` bytes) holding the most bytes.
+    fn local_worker(&self, job: &Job, task: TaskRef, expected: u64) -> Option<String> {
         let mut local_bytes: HashMap<&str, u64> = HashMap::new();
         for (stage, index) in job.inputs_of(task.stage, task.index) {
             if let TaskStatus::Done { worker, outputs } =
@@ -821,12 +921,21 @@ impl State {
         }
         local_bytes
             .into_iter()
-            .filter(|(id, _)| self.workers.get(*id).is_some_and(|w| w.free() > 0))
+            .filter(|(id, _)| {
+                self.workers
+                    .get(*id)
+                    .is_some_and(|w| w.free() > 0 && w.fits(expected))
+            })
             .max_by_key(|(id, bytes)| (*bytes, std::cmp::Reverse(*id)))
             .map(|(id, _)| id.to_string())
     }
 
-    fn start(&mut self, task: TaskRef, worker_id: &str) -> (WorkerOutbox, SchedulerMessage) {
+    fn start(
+        &mut self,
+        task: TaskRef,
+        worker_id: &str,
+        expected: u64,
+    ) -> (WorkerOutbox, SchedulerMessage) {
         let job = self
             .jobs
             .get_mut(&task.job)
@@ -922,7 +1031,9 @@ impl State {
             .workers
             .get_mut(worker_id)
             .unwrap_or_else(|| unreachable!("placed on a missing worker"));
-        worker.running.insert((task.job, task.stage, task.index));
+        worker
+            .running
+            .insert((task.job, task.stage, task.index), expected);
         (worker.outbox.clone(), message(ToWorker::Assign(assign)))
     }
 
@@ -1560,6 +1671,11 @@ impl State {
                 pool_used_bytes: w.pool_used_bytes,
                 partitions: w.partitions,
                 http_address: w.http_address.clone(),
+                pool_peak_bytes: w.beat.pool_peak_bytes,
+                spilled_bytes: w.beat.spilled_bytes,
+                spilled_partitions: w.beat.spilled_partitions,
+                spill_count: w.beat.spill_count,
+                unspill_count: w.beat.unspill_count,
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
@@ -1727,6 +1843,77 @@ mod tests {
         assert_eq!(result.state(), JobState::Succeeded);
         assert_eq!(result.partitions.len(), 1);
         assert_eq!(result.partitions[0].key.as_ref().unwrap().stage, 1);
+    }
+
+    fn add_worker_with_pool(state: &mut State, id: &str, slots: u32, pool_bytes: u64) -> Inbox {
+        let (tx, rx) = mpsc::unbounded_channel();
+        state
+            .register_worker(
+                &Register {
+                    worker_id: id.into(),
+                    data_address: format!("http://{id}"),
+                    slots,
+                    pool_bytes,
+                    ..Default::default()
+                },
+                tx,
+            )
+            .unwrap();
+        rx
+    }
+
+    /// A one-stage job of tasks reading Parquet partitions of these estimated sizes.
+    fn reads(sizes: &[u64]) -> JobSpec {
+        let mut spec = map_reduce(sizes.len() as u32);
+        spec.stages.truncate(1);
+        spec.stages[0].partitions = sizes
+            .iter()
+            .map(|&estimated_bytes| wrk_proto::ParquetPartition {
+                estimated_bytes,
+                ..Default::default()
+            })
+            .collect();
+        spec
+    }
+
+    #[test]
+    fn placement_keeps_the_working_sets_of_a_workers_tasks_within_its_pool() {
+        let mut state = State::new();
+        let _a = add_worker_with_pool(&mut state, "a", 4, 100);
+        let _b = add_worker_with_pool(&mut state, "b", 4, 100);
+        state.submit(T, reads(&[60, 60, 60, 30]));
+        let first = assigned(&state.dispatch());
+        // Slots are free, but a third 60-byte task fits neither pool beside a running one; the
+        // 30-byte task behind it waits its turn rather than overtake it.
+        assert_eq!(first.len(), 2, "{first:?}");
+        let workers: HashSet<String> = first.iter().map(|t| worker_of(&state, t)).collect();
+        assert_eq!(workers.len(), 2);
+        let worker = worker_of(&state, &first[0]);
+        let next = assigned(&state.task_done(&worker, done(&first[0], 1)));
+        assert_eq!(
+            next.len(),
+            2,
+            "the 60 and the 30 fit in the freed pool: {next:?}"
+        );
+        assert!(next.iter().all(|t| worker_of(&state, t) == worker));
+    }
+
+    #[test]
+    fn a_task_no_pool_can_hold_goes_where_most_pool_is_free() {
+        let mut state = State::new();
+        let _a = add_worker_with_pool(&mut state, "a", 2, 100);
+        let _b = add_worker_with_pool(&mut state, "b", 2, 100);
+        state.heartbeat(
+            "a",
+            &wrk_proto::Heartbeat {
+                pool_used_bytes: 90,
+                ..Default::default()
+            },
+        );
+        state.submit(T, reads(&[500]));
+        let placed = assigned(&state.dispatch());
+        assert_eq!(placed.len(), 1, "never starved");
+        assert_eq!(worker_of(&state, &placed[0]), "b");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! - [`Table`], [`Column`] and [`Expr`] ([`col`], [`lit`], operators) drive the host's
 //!   operators, with [`Table::group_by`] taking aggregates such as [`sum`] and [`count`];
 //! - [`io`] reads and writes Parquet through the sources and sinks the job granted;
+//! - [`memory`] reads the worker's pool statistics and takes leases for a working set;
 //! - [`shuffle`] sends hash-partitions to the reducers of an exchange and receives one's own;
 //! - [`context`] tells the task who and where it is, hands it its parameters and logs
 //!   ([`info!`], [`warn!`], ...);
@@ -52,6 +53,7 @@
 pub mod bindings;
 pub mod context;
 pub mod io;
+pub mod memory;
 pub mod prelude;
 pub mod shuffle;
 

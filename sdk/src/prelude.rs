@@ -7,6 +7,7 @@ pub use crate::context;
 pub use crate::error::{Error, ErrorCode, Result};
 pub use crate::expr::{Expr, col, if_else, lit, when};
 pub use crate::io::{read_parquet, write_parquet};
+pub use crate::memory;
 pub use crate::order::{SortKey, asc, desc};
 pub use crate::shuffle;
 pub use crate::table::Table;

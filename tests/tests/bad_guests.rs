@@ -37,6 +37,8 @@ async fn one_worker_cluster() -> LocalCluster {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         cache_dir: None,
         http: None,
+        pool: None,
+        spill_root: None,
     })
     .await
     .unwrap();

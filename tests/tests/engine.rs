@@ -9,6 +9,8 @@ use std::time::Duration;
 use common::guest;
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
 use wrk_host::guest_api::TaskInfo;
+use wrk_host::memory::SpillDir;
+use wrk_host::store::{PartitionStore, TaskMemory};
 
 fn engine(cache: &std::path::Path) -> TaskEngine {
     TaskEngine::new(EngineConfig {
@@ -16,6 +18,12 @@ fn engine(cache: &std::path::Path) -> TaskEngine {
         ..EngineConfig::default()
     })
     .unwrap()
+}
+
+/// A task's share of a 1 GiB pool spilling under `dir`.
+fn task_memory(dir: &std::path::Path) -> Arc<TaskMemory> {
+    let spill = SpillDir::open(dir, "engine-test").unwrap();
+    Arc::new(PartitionStore::new(1 << 30, spill)).begin_task("test")
 }
 
 fn limits() -> TaskLimits {
@@ -59,6 +67,7 @@ fn compiled_components_are_cached_on_disk_and_damaged_entries_are_rebuilt() {
             vec![],
             limits(),
             Default::default(),
+            task_memory(cache.path()),
         )
         .unwrap();
     assert!(run.outputs.is_empty());
@@ -74,6 +83,7 @@ fn compiled_components_are_cached_on_disk_and_damaged_entries_are_rebuilt() {
             vec![],
             limits(),
             Default::default(),
+            task_memory(cache.path()),
         )
         .unwrap();
     assert!(
@@ -147,6 +157,7 @@ fn a_cancelled_task_stops_within_moments() {
         memory_bytes: 64 << 20,
         timeout: Duration::from_secs(60),
     };
+    let spill = tempfile::tempdir().unwrap();
     let err = engine
         .run(
             &compiled,
@@ -154,6 +165,7 @@ fn a_cancelled_task_stops_within_moments() {
             vec![],
             long,
             cancel,
+            task_memory(spill.path()),
         )
         .expect_err("a looping guest does not finish");
     assert!(

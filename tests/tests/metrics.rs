@@ -12,6 +12,10 @@ use std::time::Duration;
 use common::*;
 use wrk_cli::job::{self, Overrides};
 use wrk_cli::local::{LocalCluster, LocalClusterConfig};
+use wrk_host::memory::SizeSpec;
+
+/// Each worker's memory pool: small enough for the job to fill a good part of it.
+const POOL: u64 = 4 << 20;
 
 /// `/metrics` of `base`, after checking its content type.
 fn scrape(base: &str) -> String {
@@ -67,6 +71,8 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         cache_dir: None,
         http: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+        pool: Some(SizeSpec::Bytes(POOL)),
+        spill_root: None,
     })
     .await
     .unwrap();
@@ -80,6 +86,34 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
     promtool_check("scheduler", &before);
     assert_eq!(value(&before, "wrk_scheduler_workers"), 2.0);
     assert_eq!(value(&before, "wrk_scheduler_jobs_submitted_total"), 0.0);
+
+    // The workers' pools, before any work.
+    let status = wrk_cli::client::cluster_status(&cluster.scheduler_url, None)
+        .await
+        .unwrap();
+    for worker in &status.workers {
+        let text = scrape(&worker.http_address);
+        promtool_check(&format!("worker {}", worker.worker_id), &text);
+        assert_eq!(value(&text, "wrk_worker_pool_size_bytes"), POOL as f64);
+        assert_eq!(value(&text, "wrk_worker_pool_peak_bytes"), 0.0, "{text}");
+        for series in [
+            "wrk_worker_pool_used_bytes",
+            "wrk_worker_pool_leased_bytes",
+            "wrk_worker_spilled_partitions",
+            r#"wrk_worker_pool_spilled_bytes{tier="disk"}"#,
+            r#"wrk_worker_spilled_bytes_total{tier="disk"}"#,
+            r#"wrk_worker_spilled_bytes_total{tier="host"}"#,
+            "wrk_worker_unspilled_bytes_total",
+            "wrk_worker_spills_total",
+            "wrk_worker_unspills_total",
+            "wrk_worker_spill_seconds_total",
+        ] {
+            assert!(
+                text.lines().any(|l| l.starts_with(&format!("{series} "))),
+                "{series} in\n{text}"
+            );
+        }
+    }
 
     let overrides = Overrides {
         sources: vec![("trips".into(), data.path().display().to_string())],
@@ -150,6 +184,10 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
             r#"wrk_worker_tasks_finished_total{outcome="succeeded"}"#,
         );
         assert_eq!(value(&text, "wrk_worker_slots"), 2.0);
+        // The pool counted the tables the tasks held.
+        let peak = value(&text, "wrk_worker_pool_peak_bytes");
+        assert!(peak > 0.0 && peak <= POOL as f64 * 1.2, "{text}");
+        assert_eq!(value(&text, "wrk_worker_pool_size_bytes"), POOL as f64);
     }
     assert_eq!(worker_tasks, 3.0, "the workers ran the job's three tasks");
     cluster.shutdown().await;

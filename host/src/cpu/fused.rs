@@ -24,6 +24,7 @@ use arrow::record_batch::RecordBatch;
 
 use crate::expr::{Expr, ExprError, Literal, common_type, numeric_result};
 use crate::guest_api::wit::{BinaryOp, UnaryOp};
+use crate::memory::buffers::{self, PooledVec};
 
 /// Rows per block: small enough that a program's registers stay in the L1/L2 cache.
 const BLOCK: usize = 1024;
@@ -882,10 +883,12 @@ struct Output {
     rows: usize,
 }
 
+/// Numeric results come from the buffer pool (`memory::buffers`): a repeated operator reuses
+/// the blocks of the columns it made before instead of faulting fresh pages in.
 enum OutputValues {
-    F64(Vec<f64>),
-    I64(Vec<i64>),
-    U64(Vec<u64>),
+    F64(PooledVec<f64>),
+    I64(PooledVec<i64>),
+    U64(PooledVec<u64>),
     Bits(Vec<u8>),
 }
 
@@ -914,9 +917,9 @@ fn bits(bytes: Vec<u8>, rows: usize) -> arrow::buffer::BooleanBuffer {
 impl Output {
     fn new(kind: Kind, rows: usize) -> Self {
         let values = match kind {
-            Kind::F64 => OutputValues::F64(Vec::with_capacity(rows)),
-            Kind::I64 => OutputValues::I64(Vec::with_capacity(rows)),
-            Kind::U64 => OutputValues::U64(Vec::with_capacity(rows)),
+            Kind::F64 => OutputValues::F64(PooledVec::with_capacity(buffers::global(), rows)),
+            Kind::I64 => OutputValues::I64(PooledVec::with_capacity(buffers::global(), rows)),
+            Kind::U64 => OutputValues::U64(PooledVec::with_capacity(buffers::global(), rows)),
             Kind::Bool => OutputValues::Bits(Vec::with_capacity(rows.div_ceil(8))),
         };
         Output {
@@ -950,9 +953,9 @@ impl Output {
         let rows = self.rows;
         let nulls = self.valid.map(|v| NullBuffer::new(bits(v, rows)));
         match self.values {
-            OutputValues::F64(v) => Arc::new(Float64Array::new(v.into(), nulls)),
-            OutputValues::I64(v) => Arc::new(Int64Array::new(v.into(), nulls)),
-            OutputValues::U64(v) => Arc::new(UInt64Array::new(v.into(), nulls)),
+            OutputValues::F64(v) => Arc::new(Float64Array::new(v.into_scalar_buffer(), nulls)),
+            OutputValues::I64(v) => Arc::new(Int64Array::new(v.into_scalar_buffer(), nulls)),
+            OutputValues::U64(v) => Arc::new(UInt64Array::new(v.into_scalar_buffer(), nulls)),
             OutputValues::Bits(v) => Arc::new(BooleanArray::new(bits(v, rows), nulls)),
         }
     }

@@ -102,7 +102,7 @@ impl TaskState {
         result: Result<RecordBatch, Error>,
     ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         match result {
-            Ok(batch) => Ok(Ok(self.table.push(Table::new(batch))?)),
+            Ok(batch) => self.push_table(batch),
             Err(e) => Ok(Err(e)),
         }
     }
@@ -338,7 +338,7 @@ impl HostColumn for TaskState {
     ) -> wasmtime::Result<Result<Resource<Column>, Error>> {
         self.copies.out_of_guest_bytes += values_bytes(&values);
         match from_values(&name, values) {
-            Ok(array) => Ok(Ok(self.table.push(Column::new(name, array))?)),
+            Ok(array) => self.push_column(name, array),
             Err(e) => Ok(Err(e)),
         }
     }
@@ -537,7 +537,7 @@ impl HostTable for TaskState {
         let table = self.host_table(&self_)?;
         let expr = self.expr(&value)?;
         match eval::evaluate(&expr, table.batch()) {
-            Ok(array) => Ok(Ok(self.table.push(Column::new(expr.to_string(), array))?)),
+            Ok(array) => self.push_column(expr.to_string(), array),
             Err(e) => Ok(Err(expr_error(e))),
         }
     }
@@ -636,13 +636,18 @@ impl HostTable for TaskState {
         partitions: u32,
     ) -> wasmtime::Result<Result<Vec<Resource<Table>>, Error>> {
         let table = self.host_table(&self_)?;
-        match partition::hash_partition(table.batch(), &keys, partitions) {
-            Ok(parts) => Ok(Ok(parts
-                .into_iter()
-                .map(|part| self.table.push(Table::new(part)))
-                .collect::<Result<_, _>>()?)),
-            Err(e) => Ok(Err(op_error(e))),
+        let parts = match partition::hash_partition(table.batch(), &keys, partitions) {
+            Ok(parts) => parts,
+            Err(e) => return Ok(Err(op_error(e))),
+        };
+        let mut handles = Vec::with_capacity(parts.len());
+        for part in parts {
+            match self.push_table(part)? {
+                Ok(handle) => handles.push(handle),
+                Err(e) => return Ok(Err(e)),
+            }
         }
+        Ok(Ok(handles))
     }
 
     fn to_ipc(&mut self, self_: Resource<Table>) -> wasmtime::Result<Result<Vec<u8>, Error>> {

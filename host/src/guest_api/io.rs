@@ -66,7 +66,7 @@ impl Host for TaskState {
         };
         let columns = options.columns.unwrap_or_default();
         match crate::io::read_source(&uri, &columns, options.row_groups.as_deref(), None) {
-            Ok(batch) => Ok(Ok(self.table.push(Table::new(batch))?)),
+            Ok(batch) => self.push_table(batch),
             Err(e) => Ok(Err(error(ErrorCode::Io, format!("source `{source}`: {e}")))),
         }
     }
@@ -85,7 +85,7 @@ impl Host for TaskState {
         let columns = options.columns.unwrap_or_default();
         let rows = options.row_groups.as_deref();
         match crate::io::read_source(&uri, &columns, rows, Some(&predicate)) {
-            Ok(batch) => Ok(Ok(self.table.push(Table::new(batch))?)),
+            Ok(batch) => self.push_table(batch),
             Err(e) => Ok(Err(error(ErrorCode::Io, format!("source `{source}`: {e}")))),
         }
     }

@@ -1,5 +1,5 @@
 //! The host side of the `wrk:task` WIT contract: generated bindings, the per-task store state and
-//! the implementations of the `dataframe`, `io`, `shuffle` and `context` interfaces.
+//! the implementations of the `dataframe`, `io`, `memory`, `shuffle` and `context` interfaces.
 //!
 //! Guests hold handles (WIT resources) whose host values live in the task's `ResourceTable`; the
 //! values share their data behind `Arc`s, so a guest may drop a table before a column taken from
@@ -8,16 +8,21 @@
 mod context;
 mod dataframe;
 mod io;
+mod memory;
 mod shuffle;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use wasmtime::component::ResourceTable;
+use arrow::array::ArrayRef;
+use arrow::record_batch::RecordBatch;
+use wasmtime::component::{Resource, ResourceTable};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::expr::Expr;
 use crate::limits::MemoryLimiter;
+use crate::store::{PoolError, TaskMemory};
+use crate::table::{Column, Table};
 
 /// Bindings generated from `wit/` by wasmtime.
 pub mod bindings {
@@ -29,6 +34,7 @@ pub mod bindings {
             "wrk:task/dataframe.table": crate::table::Table,
             "wrk:task/dataframe.column": crate::table::Column,
             "wrk:task/dataframe.expr": crate::guest_api::ExprHandle,
+            "wrk:task/memory.lease": crate::store::Lease,
         },
     });
 }
@@ -81,17 +87,63 @@ pub struct TaskState {
     pub(crate) info: Arc<TaskInfo>,
     pub(crate) copies: CopyStats,
     pub(crate) limiter: MemoryLimiter,
+    /// The task's share of the worker's memory pool.
+    pub(crate) memory: Arc<TaskMemory>,
+    /// The last time the pool turned the task away because other tasks held the memory (it
+    /// may succeed when run again).
+    pub(crate) gave_way: Option<String>,
 }
 
 impl TaskState {
-    pub(crate) fn new(info: Arc<TaskInfo>, wasi: WasiCtx, limiter: MemoryLimiter) -> Self {
+    pub(crate) fn new(
+        info: Arc<TaskInfo>,
+        wasi: WasiCtx,
+        limiter: MemoryLimiter,
+        memory: Arc<TaskMemory>,
+    ) -> Self {
         TaskState {
             table: ResourceTable::new(),
             wasi,
             info,
             copies: CopyStats::default(),
             limiter,
+            memory,
+            gave_way: None,
         }
+    }
+
+    /// A pool refusal as the guest's `resource-exhausted` error, remembered when another attempt
+    /// may succeed.
+    pub(crate) fn pool_error(&mut self, e: PoolError) -> wit::Error {
+        let message = e.to_string();
+        if e.retriable() {
+            self.gave_way = Some(message.clone());
+        }
+        error(wit::ErrorCode::ResourceExhausted, message)
+    }
+
+    /// Stores a table the task made as a new handle, counted in the task's working set; a
+    /// working set the pool can never hold is the guest's `resource-exhausted` error.
+    pub(crate) fn push_table(
+        &mut self,
+        batch: RecordBatch,
+    ) -> wasmtime::Result<Result<Resource<Table>, wit::Error>> {
+        if let Err(e) = self.memory.track(&batch) {
+            return Ok(Err(self.pool_error(e)));
+        }
+        Ok(Ok(self.table.push(Table::new(batch))?))
+    }
+
+    /// Stores a column the task made as a new handle; see [`TaskState::push_table`].
+    pub(crate) fn push_column(
+        &mut self,
+        name: String,
+        array: ArrayRef,
+    ) -> wasmtime::Result<Result<Resource<Column>, wit::Error>> {
+        if let Err(e) = self.memory.track_array(array.as_ref()) {
+            return Ok(Err(self.pool_error(e)));
+        }
+        Ok(Ok(self.table.push(Column::new(name, array))?))
     }
 }
 

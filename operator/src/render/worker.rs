@@ -107,8 +107,9 @@ pub fn pod(cluster: &WrkCluster, group: &WorkerGroupSpec, index: u32) -> Result<
     let mut env = vec![
         env_field("WRK_WORKER_ID", "metadata.name"),
         env_field("WRK_ADVERTISE_HOST", "status.podIP"),
-        // For the worker to adopt (its command line has no such flags yet): the limit the
-        // kubelet enforces, the pool inside it, the device and the shuffle transport.
+        // The limit the kubelet enforces and the pool inside it (`wrk worker` reads them as
+        // `--memory-limit` and `--pool-size`); the device and the shuffle transport are for the
+        // worker to adopt (its command line has no such flags yet).
         env(
             "WRK_MEMORY_LIMIT_BYTES",
             size.memory_limit_bytes.to_string(),

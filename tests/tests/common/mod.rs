@@ -38,7 +38,7 @@ fn cargo() -> Command {
     command
 }
 
-const GUESTS: [&str; 13] = [
+const GUESTS: [&str; 14] = [
     "taxi-haversine",
     "noop",
     "fare-stats",
@@ -52,6 +52,7 @@ const GUESTS: [&str; 13] = [
     "test-guest-spin",
     "test-guest-hog",
     "test-guest-slow",
+    "test-guest-memory",
 ];
 
 /// The path of a guest component, building every test guest once.
