@@ -102,6 +102,12 @@ impl LocalCluster {
                 connect_timeout: Duration::from_secs(10),
                 metrics_listen: config.http.map(|_| SocketAddr::from(([127, 0, 0, 1], 0))),
                 token: None,
+                // Many local workers share one machine: they would all claim GPU 0 and a pool
+                // each, so the embedded cluster runs on the CPU backend.
+                device: wrk_host::device::DeviceConfig {
+                    request: wrk_host::gpu::detect::DeviceRequest::Cpu,
+                    pool_bytes: None,
+                },
             };
             let worker_stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move {

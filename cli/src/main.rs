@@ -15,7 +15,9 @@ use clap::{Parser, Subcommand};
 use wrk_cli::job::{self, Overrides};
 use wrk_cli::local::{LocalCluster, LocalClusterConfig};
 use wrk_cli::{client, output, taxi};
+use wrk_host::device::DeviceConfig;
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
+use wrk_host::gpu::detect::DeviceRequest;
 use wrk_host::guest_api::TaskInfo;
 use wrk_host::table::Table;
 use wrk_host::worker::WorkerConfig;
@@ -206,6 +208,35 @@ struct WorkerArgs {
     /// The worker token the scheduler requires, if any.
     #[arg(long, env = "WRK_WORKER_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// The device to drive: `cpu`, `gpu:N` (CUDA device N; fails at start if it cannot be used)
+    /// or `auto` (the first GPU, else the CPU).
+    #[arg(long, env = "WRK_DEVICE", default_value = "auto")]
+    device: DeviceRequest,
+    /// The device memory pool's size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted); by
+    /// default 80% of the GPU's free memory, and never more than 90% of it.
+    #[arg(long, env = "WRK_POOL_BYTES", value_parser = parse_size)]
+    pool_size: Option<u64>,
+}
+
+/// `123`, `64M`, `12GiB`, `1.5G`: a size in bytes (K/M/G are binary multiples).
+fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (e.g. 4096, 512MiB, 12G)"))?;
+    let multiple = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit `{other}` in `{text}`")),
+    };
+    Ok((number * multiple as f64) as u64)
 }
 
 #[derive(clap::Args)]
@@ -241,6 +272,53 @@ fn default_workers() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2)
+}
+
+/// A GPU worker's device for `wrk status --output json`.
+fn gpu_json(
+    gpu: &wrk_proto::GpuInfo,
+    telemetry: Option<&wrk_proto::GpuTelemetry>,
+) -> serde_json::Value {
+    serde_json::json!({
+        "name": gpu.name,
+        "uuid": gpu.uuid,
+        "mig_profile": gpu.mig_profile,
+        "compute_capability": gpu.compute_capability,
+        "memory_total_bytes": gpu.memory_total_bytes,
+        "device_pool_bytes": gpu.device_pool_bytes,
+        "memory_used_bytes": telemetry.map(|t| t.memory_used_bytes),
+        "sm_utilization": telemetry.and_then(|t| t.sm_utilization),
+        "temperature_celsius": telemetry.and_then(|t| t.temperature_celsius),
+        "power_watts": telemetry.and_then(|t| t.power_watts),
+    })
+}
+
+/// A GPU worker's device in one line of `wrk status`.
+fn gpu_line(gpu: &wrk_proto::GpuInfo, telemetry: Option<&wrk_proto::GpuTelemetry>) -> String {
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    let mut line = gpu.name.clone();
+    if !gpu.mig_profile.is_empty() {
+        line.push_str(&format!(" (MIG {})", gpu.mig_profile));
+    }
+    if let Some(t) = telemetry {
+        line.push_str(&format!(
+            "  memory {:.1}/{:.1} GiB",
+            gib(t.memory_used_bytes),
+            gib(t.memory_total_bytes)
+        ));
+        if let Some(sm) = t.sm_utilization {
+            line.push_str(&format!("  SM {:.0}%", sm * 100.0));
+        }
+        if let Some(c) = t.temperature_celsius {
+            line.push_str(&format!("  {c:.0} C"));
+        }
+        if let Some(w) = t.power_watts {
+            line.push_str(&format!("  {w:.0} W"));
+        }
+    } else {
+        line.push_str(&format!("  memory {:.1} GiB", gib(gpu.memory_total_bytes)));
+    }
+    line
 }
 
 /// Logs go to stderr; `WRK_LOG` overrides the default filter (`info` for long-running services,
@@ -331,6 +409,10 @@ async fn main() -> Result<()> {
                 connect_timeout: Duration::from_secs(30),
                 metrics_listen: args.metrics_listen,
                 token: args.token,
+                device: DeviceConfig {
+                    request: args.device,
+                    pool_bytes: args.pool_size,
+                },
             };
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())
@@ -513,6 +595,7 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                     "partitions": w.partitions,
                     "memory_used_bytes": w.pool_used_bytes,
                     "pool_bytes": w.pool_bytes,
+                    "gpu": w.gpu.as_ref().map(|g| gpu_json(g, w.gpu_telemetry.as_ref())),
                 })
             })
             .collect();
@@ -558,6 +641,9 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                 format!("metrics {}/metrics", w.http_address)
             }
         );
+        if let Some(gpu) = &w.gpu {
+            println!("    {}", gpu_line(gpu, w.gpu_telemetry.as_ref()));
+        }
     }
     println!(
         "scaling: backlog {} tasks (~{:.1} task-seconds); {} workers wanted to finish it within 60 s; retirable: {}",
@@ -637,4 +723,35 @@ async fn run_one(args: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("12G"), Ok(12 << 30));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("GiB").is_err());
+    }
+
+    #[test]
+    fn the_device_flag_and_its_environment_variable_parse() {
+        let cli = Cli::try_parse_from(["wrk", "worker", "--device", "gpu:1", "--pool-size", "2G"])
+            .unwrap();
+        let Command::Worker(args) = cli.command else {
+            panic!("not a worker command");
+        };
+        assert_eq!(args.device, DeviceRequest::Gpu(1));
+        assert_eq!(args.pool_size, Some(2 << 30));
+        let err = Cli::try_parse_from(["wrk", "worker", "--device", "tpu"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("expected `cpu`, `gpu:N`"), "{err}");
+    }
 }

@@ -22,6 +22,7 @@ use wrk_proto::{
     TaskFailed, TaskStats, WorkerMessage,
 };
 
+use crate::device::{DeviceConfig, DeviceError, WorkerDevice};
 use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
 use crate::guest_api::{TaskInfo, WIT_VERSION};
 use crate::metrics::WorkerMetrics;
@@ -47,12 +48,16 @@ pub struct WorkerConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// The worker token the scheduler requires, if any.
     pub token: Option<String>,
+    /// The device to drive (`--device`) and its pool size.
+    pub device: DeviceConfig,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     #[error("cannot listen on {address}: {source}")]
     Listen {
         address: SocketAddr,
@@ -120,8 +125,10 @@ pub async fn run(
     let worker_id = config.worker_id.clone().unwrap_or_else(default_worker_id);
     let engine = TaskEngine::new(config.engine.clone())?;
     let store = Arc::new(PartitionStore::new());
-    let metrics = WorkerMetrics::new(engine.cache_outcomes());
+    let mut metrics = WorkerMetrics::new(engine.cache_outcomes());
     metrics.slots.set(i64::from(config.slots.max(1)));
+    // First, so that a worker asked for a GPU it cannot have fails before it listens anywhere.
+    let device = WorkerDevice::start(&config.device, &mut metrics)?;
 
     let listener =
         TcpListener::bind(config.listen)
@@ -186,10 +193,11 @@ pub async fn run(
         worker_id: worker_id.clone(),
         data_address: data_address.clone(),
         slots: config.slots.max(1),
-        device: "cpu".into(),
-        pool_bytes: 0,
+        device: device.name(),
+        pool_bytes: device.gpu_info().map_or(0, |gpu| gpu.device_pool_bytes),
         wit_version: WIT_VERSION.into(),
         http_address,
+        gpu: device.gpu_info(),
     };
     let _ = outbox
         .send(WorkerMessage {
@@ -229,7 +237,7 @@ pub async fn run(
             });
         }
     };
-    tracing::info!(worker = %worker_id, data = %data_address, slots = config.slots, "worker registered with {}", config.scheduler);
+    tracing::info!(worker = %worker_id, data = %data_address, slots = config.slots, device = %device.name(), "worker registered with {}", config.scheduler);
 
     let shared = Arc::new(Shared {
         worker_id: worker_id.clone(),
@@ -254,6 +262,7 @@ pub async fn run(
                     pool_used_bytes: stats.bytes,
                     running_tasks: shared.running.load(std::sync::atomic::Ordering::Relaxed),
                     partitions: stats.partitions,
+                    gpu: device.sample().await,
                 };
                 let _ = outbox.send(WorkerMessage { kind: Some(ToScheduler::Heartbeat(beat)) }).await;
             }

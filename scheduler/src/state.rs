@@ -139,6 +139,9 @@ struct Worker {
     outbox: WorkerOutbox,
     last_seen: Instant,
     device: String,
+    /// A GPU worker's device, as it registered, and its latest telemetry.
+    gpu: Option<wrk_proto::GpuInfo>,
+    gpu_telemetry: Option<wrk_proto::GpuTelemetry>,
     pool_bytes: u64,
     pool_used_bytes: u64,
     partitions: u64,
@@ -517,6 +520,8 @@ impl State {
                 outbox,
                 last_seen: Instant::now(),
                 device: register.device.clone(),
+                gpu: register.gpu.clone(),
+                gpu_telemetry: None,
                 pool_bytes: register.pool_bytes,
                 pool_used_bytes: 0,
                 partitions: 0,
@@ -533,6 +538,9 @@ impl State {
             worker.last_seen = Instant::now();
             worker.pool_used_bytes = beat.pool_used_bytes;
             worker.partitions = beat.partitions;
+            if beat.gpu.is_some() {
+                worker.gpu_telemetry = beat.gpu;
+            }
             worker.memory.sample(now_us, beat.pool_used_bytes);
         }
     }
@@ -1435,6 +1443,8 @@ impl State {
                 pool_used_bytes: w.pool_used_bytes,
                 partitions: w.partitions,
                 http_address: w.http_address.clone(),
+                gpu: w.gpu.clone(),
+                gpu_telemetry: w.gpu_telemetry,
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
