@@ -43,7 +43,7 @@ pub struct GpuWorker {
 /// The worker's device.
 pub enum WorkerDevice {
     Cpu,
-    Gpu(GpuWorker),
+    Gpu(Box<GpuWorker>),
 }
 
 impl WorkerDevice {
@@ -125,12 +125,12 @@ impl WorkerDevice {
             info.compute_capability,
             info.memory_total_bytes >> 20
         );
-        Ok(WorkerDevice::Gpu(GpuWorker {
+        Ok(WorkerDevice::Gpu(Box::new(GpuWorker {
             runtime,
             info,
             telemetry: telemetry.map(|t| Arc::new(Mutex::new(t))),
             metrics: gpu_metrics,
-        }))
+        })))
     }
 
     /// `cpu` or `gpu:N`, as registered with the scheduler.

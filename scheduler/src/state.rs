@@ -2242,6 +2242,54 @@ mod tests {
     }
 
     #[test]
+    fn a_gpu_worker_shows_its_device_and_latest_telemetry() {
+        let mut state = State::new();
+        let (tx, _rx) = mpsc::unbounded_channel();
+        state
+            .register_worker(
+                &Register {
+                    worker_id: "g".into(),
+                    data_address: "http://g".into(),
+                    slots: 1,
+                    device: "gpu:0".into(),
+                    gpu: Some(wrk_proto::GpuInfo {
+                        name: "NVIDIA A100-SXM4-40GB MIG 1g.5gb".into(),
+                        mig_profile: "1g.5gb".into(),
+                        memory_total_bytes: 5 << 30,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                tx,
+            )
+            .unwrap();
+        let _cpu = add_worker(&mut state, "c", 1);
+        let beat = |sm| wrk_proto::Heartbeat {
+            gpu: Some(wrk_proto::GpuTelemetry {
+                memory_used_bytes: 1 << 30,
+                memory_total_bytes: 5 << 30,
+                sm_utilization: sm,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        state.heartbeat("g", &beat(Some(0.25)));
+        // A heartbeat without telemetry keeps the last sample.
+        state.heartbeat("g", &wrk_proto::Heartbeat::default());
+        let status = state.status(T);
+        let gpu = &status.workers[1];
+        assert_eq!(gpu.device, "gpu:0");
+        assert_eq!(gpu.gpu.as_ref().unwrap().mig_profile, "1g.5gb");
+        assert_eq!(gpu.gpu_telemetry.unwrap().sm_utilization, Some(0.25));
+        assert!(status.workers[0].gpu.is_none());
+        let view = state.workers_view();
+        let json = serde_json::to_value(&view.workers).unwrap();
+        assert_eq!(json[1]["gpu"]["mig_profile"], "1g.5gb");
+        assert_eq!(json[1]["gpu"]["sm_utilization"], 0.25);
+        assert!(json[0].get("gpu").is_none(), "{json}");
+    }
+
+    #[test]
     fn only_jobs_that_asked_keep_a_timeline_but_the_dashboard_sees_all() {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 1);

@@ -25,7 +25,7 @@ fn taxi(rows: usize) -> RecordBatch {
         state ^= state << 17;
         (state >> 11) as f64 / (1u64 << 53) as f64
     };
-    let mut columns: Vec<Vec<f64>> = vec![Vec::with_capacity(rows); 4];
+    let mut columns: Vec<Vec<f64>> = (0..4).map(|_| Vec::with_capacity(rows)).collect();
     let mut passengers = Vec::with_capacity(rows);
     let mut drivers = Vec::with_capacity(rows);
     for row in 0..rows {
