@@ -30,9 +30,8 @@ export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export WRK_REQUIRE_GPU=1 WRK_REQUIRE_NVRTC=1
 
 echo "== GPU tests (WRK_REQUIRE_GPU=1)"
-cargo test -p wrk-host -- --nocapture 2>&1 | grep -E "^(test |SKIPPED|compiled|no GPU|test result)" || true
-cargo test -p wrk-host
-cargo test -p wrk-tests --test device
+cargo test -p wrk-host -- --nocapture
+cargo test -p wrk-tests --test device -- --nocapture
 
 echo "== device operator benchmark (release)"
 cargo test --release -p wrk-host gpu::bench -- --ignored --nocapture

@@ -213,8 +213,9 @@ struct WorkerArgs {
     #[arg(long, env = "WRK_DEVICE", default_value = "auto")]
     device: DeviceRequest,
     /// The device memory pool's size in bytes (suffixes K, M, G, KiB, MiB, GiB accepted); by
-    /// default 80% of the GPU's free memory, and never more than 90% of it.
-    #[arg(long, env = "WRK_POOL_BYTES", value_parser = parse_size)]
+    /// default 80% of the GPU's free memory, and never more than 90% of it. (`WRK_POOL_BYTES`,
+    /// which the operator sets from the pod's memory limit, sizes host memory, not this.)
+    #[arg(long, env = "WRK_DEVICE_POOL_BYTES", value_parser = parse_size)]
     pool_size: Option<u64>,
 }
 

@@ -144,7 +144,9 @@ pub fn compare(
                     .unwrap_or_default()
             };
             let (dr, hr) = (render(d), render(h));
-            if dr != hr || d.logical_nulls() != h.logical_nulls() {
+            // Validity row by row: one side may carry an all-valid null buffer, the other none.
+            let valid = |a: &ArrayRef| (0..a.len()).map(|r| a.is_valid(r)).collect::<Vec<_>>();
+            if dr != hr || valid(d) != valid(h) {
                 let first = (0..dr.len().min(hr.len()))
                     .find(|&r| dr[r] != hr[r])
                     .unwrap_or(0);
@@ -345,6 +347,15 @@ mod tests {
         compare("noise", &batch(&x), &batch(&y), 1e-9).unwrap();
         assert!(compare("exact", &batch(&x), &batch(&y), 0.0).is_err());
         assert!(compare("off", &batch(&x), &batch(&z), 1e-9).is_err());
+        // An all-valid null buffer equals no null buffer; a null equals only a null.
+        let plain: ArrayRef = Arc::new(Int32Array::from(vec![1, 2]));
+        let buffered: ArrayRef = Arc::new(Int32Array::new(
+            vec![1, 2].into(),
+            Some(arrow::buffer::NullBuffer::new_valid(2)),
+        ));
+        let null: ArrayRef = Arc::new(Int32Array::from(vec![Some(1), None]));
+        compare("buffers", &batch(&plain), &batch(&buffered), 0.0).unwrap();
+        assert!(compare("null", &batch(&plain), &batch(&null), 0.0).is_err());
     }
 
     #[test]
