@@ -12,10 +12,10 @@ use common::{Processes, start_scheduler, wait_for_workers, wrk};
 /// Whether this machine has a usable GPU; with `WRK_REQUIRE_GPU=1` it must have one.
 fn has_gpu() -> bool {
     let found = wrk_host::gpu::detect::probe(0);
-    if std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        if let Err(reason) = &found {
-            panic!("WRK_REQUIRE_GPU=1 but no GPU can be used: {reason}");
-        }
+    if std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1")
+        && let Err(reason) = &found
+    {
+        panic!("WRK_REQUIRE_GPU=1 but no GPU can be used: {reason}");
     }
     found.is_ok()
 }
