@@ -27,6 +27,26 @@ if ! pkg-config --exists ucx 2>/dev/null || ! ls /usr/lib/llvm-*/lib/libclang.so
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends libucx-dev libclang-dev pkg-config >/dev/null
 fi
+# NVRTC (CUDA's run-time compiler) from the nvidia-cuda-nvrtc-cu12 wheel, in a virtualenv under
+# target/: the kernel tests compile every CUDA kernel to PTX with it, no GPU or CUDA toolkit
+# needed. Without PyPI those tests print a skip line instead.
+NVRTC_VENV=target/nvrtc-venv
+nvrtc_lib() { ls -d "$PWD/$NVRTC_VENV"/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -n 1; }
+if [ -z "$(nvrtc_lib)" ] || [ ! -e "$(nvrtc_lib)/libnvrtc.so.12" ]; then
+    if ! python3 -m venv "$NVRTC_VENV" >/dev/null 2>&1; then
+        # Debian splits venv support out of python3.
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-venv >/dev/null; } || true
+        python3 -m venv "$NVRTC_VENV" >/dev/null 2>&1 || true
+    fi
+    if ! timeout 600 "$NVRTC_VENV/bin/pip" install -q --disable-pip-version-check \
+        "nvidia-cuda-nvrtc-cu12==12.9.86" >/dev/null 2>&1; then
+        echo "tests/run.sh: could not install nvidia-cuda-nvrtc-cu12 from PyPI; the PTX tests will print skip lines" >&2
+    fi
+fi
+if [ -n "$(nvrtc_lib)" ]; then
+    export LD_LIBRARY_PATH="$(nvrtc_lib)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --features wrk-tests/ucx -- -D warnings
 cargo test --workspace --features wrk-tests/ucx --exclude taxi-haversine --exclude noop \

@@ -129,6 +129,12 @@ impl LocalCluster {
                 transport: wrk_host::shuffle::TransportChoice::Tcp,
                 pool_bytes,
                 spill_root: spill_root.clone(),
+                // Many local workers share one machine: they would all claim GPU 0 and a pool
+                // each, so the embedded cluster runs on the CPU backend.
+                device: wrk_host::device::DeviceConfig {
+                    request: wrk_host::gpu::detect::DeviceRequest::Cpu,
+                    pool_bytes: None,
+                },
             };
             let worker_stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move {

@@ -24,12 +24,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use wrk_cli::job::{self, Overrides};
 use wrk_cli::local::{LocalCluster, LocalClusterConfig};
 use wrk_cli::{client, output, taxi};
+use wrk_host::device::DeviceConfig;
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
+use wrk_host::gpu::detect::DeviceRequest;
 use wrk_host::guest_api::TaskInfo;
 use wrk_host::memory::size::{self, MachineMemory, SizeSpec};
 use wrk_host::memory::spill::{self as spill, SpillDir};
@@ -259,6 +261,27 @@ struct WorkerArgs {
     /// (default: wrk-spill under the system's temporary directory).
     #[arg(long, env = "WRK_SPILL_DIR")]
     spill_dir: Option<PathBuf>,
+    /// The device to drive: `cpu`, `gpu:N` (CUDA device N; fails at start if it cannot be used)
+    /// or `auto` (the first GPU, else the CPU).
+    #[arg(long, env = "WRK_DEVICE", default_value = "auto")]
+    device: DeviceRequest,
+    /// The device memory pool's size in bytes (`20GiB`, `512MiB`); by
+    /// default 80% of the GPU's free memory, and never more than 90% of it. (`WRK_POOL_BYTES`,
+    /// which the operator sets from the pod's memory limit, sizes host memory, not this.)
+    #[arg(long, env = "WRK_DEVICE_POOL_BYTES")]
+    device_pool_size: Option<SizeSpec>,
+}
+
+/// The device pool's size from `--device-pool-size`: bytes only (the default already is a share
+/// of the GPU's free memory).
+fn device_pool_bytes(spec: Option<SizeSpec>) -> Result<Option<u64>> {
+    match spec {
+        None => Ok(None),
+        Some(SizeSpec::Bytes(bytes)) => Ok(Some(bytes)),
+        Some(SizeSpec::Fraction(fraction)) => bail!(
+            "--device-pool-size takes bytes (e.g. 20GiB), not a fraction ({fraction}); without it the pool is 80% of the GPU's free memory"
+        ),
+    }
 }
 
 #[derive(clap::Args)]
@@ -294,6 +317,53 @@ fn default_workers() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2)
+}
+
+/// A GPU worker's device for `wrk status --output json`.
+fn gpu_json(
+    gpu: &wrk_proto::GpuInfo,
+    telemetry: Option<&wrk_proto::GpuTelemetry>,
+) -> serde_json::Value {
+    serde_json::json!({
+        "name": gpu.name,
+        "uuid": gpu.uuid,
+        "mig_profile": gpu.mig_profile,
+        "compute_capability": gpu.compute_capability,
+        "memory_total_bytes": gpu.memory_total_bytes,
+        "device_pool_bytes": gpu.device_pool_bytes,
+        "memory_used_bytes": telemetry.map(|t| t.memory_used_bytes),
+        "sm_utilization": telemetry.and_then(|t| t.sm_utilization),
+        "temperature_celsius": telemetry.and_then(|t| t.temperature_celsius),
+        "power_watts": telemetry.and_then(|t| t.power_watts),
+    })
+}
+
+/// A GPU worker's device in one line of `wrk status`.
+fn gpu_line(gpu: &wrk_proto::GpuInfo, telemetry: Option<&wrk_proto::GpuTelemetry>) -> String {
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    let mut line = gpu.name.clone();
+    if !gpu.mig_profile.is_empty() {
+        line.push_str(&format!(" (MIG {})", gpu.mig_profile));
+    }
+    if let Some(t) = telemetry {
+        line.push_str(&format!(
+            "  memory {:.1}/{:.1} GiB",
+            gib(t.memory_used_bytes),
+            gib(t.memory_total_bytes)
+        ));
+        if let Some(sm) = t.sm_utilization {
+            line.push_str(&format!("  SM {:.0}%", sm * 100.0));
+        }
+        if let Some(c) = t.temperature_celsius {
+            line.push_str(&format!("  {c:.0} C"));
+        }
+        if let Some(w) = t.power_watts {
+            line.push_str(&format!("  {w:.0} W"));
+        }
+    } else {
+        line.push_str(&format!("  memory {:.1} GiB", gib(gpu.memory_total_bytes)));
+    }
+    line
 }
 
 /// Logs go to stderr; `WRK_LOG` overrides the default filter (`info` for long-running services,
@@ -403,6 +473,10 @@ async fn run() -> Result<()> {
                 transport: args.transport,
                 pool_bytes: memory.pool,
                 spill_root: args.spill_dir.unwrap_or_else(spill::default_root),
+                device: DeviceConfig {
+                    request: args.device,
+                    pool_bytes: device_pool_bytes(args.device_pool_size)?,
+                },
             };
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())
@@ -619,6 +693,7 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                         "spills": w.spill_count,
                         "unspills": w.unspill_count,
                     },
+                    "gpu": w.gpu.as_ref().map(|g| gpu_json(g, w.gpu_telemetry.as_ref())),
                 })
             })
             .collect();
@@ -671,6 +746,9 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                 format!("metrics {}/metrics", w.http_address)
             }
         );
+        if let Some(gpu) = &w.gpu {
+            println!("    {}", gpu_line(gpu, w.gpu_telemetry.as_ref()));
+        }
     }
     println!(
         "scaling: backlog {} tasks (~{:.1} task-seconds); {} workers wanted to finish it within 60 s; retirable: {}",
@@ -761,4 +839,35 @@ async fn run_one(args: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_device_flag_and_its_environment_variable_parse() {
+        let cli = Cli::try_parse_from([
+            "wrk",
+            "worker",
+            "--device",
+            "gpu:1",
+            "--device-pool-size",
+            "2GiB",
+        ])
+        .unwrap();
+        let Command::Worker(args) = cli.command else {
+            panic!("not a worker command");
+        };
+        assert_eq!(args.device, DeviceRequest::Gpu(1));
+        assert_eq!(
+            device_pool_bytes(args.device_pool_size).unwrap(),
+            Some(2 << 30)
+        );
+        let err = Cli::try_parse_from(["wrk", "worker", "--device", "tpu"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("expected `cpu`, `gpu:N`"), "{err}");
+    }
 }

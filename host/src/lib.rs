@@ -7,6 +7,7 @@
 //! - [`engine`]: compiling, caching and running components with limits.
 //! - [`guest_api`]: the host side of the WIT interfaces.
 //! - [`expr`], [`table`], [`cpu`]: expressions, tables and the CPU (Arrow) backend.
+//! - [`gpu`], [`device`]: the CUDA backend, and the worker's choice of device.
 //! - [`io`]: Parquet sources and sinks.
 //! - [`memory`]: the worker's memory pool: sizing, accounting, spill files.
 //! - [`store`]: the worker's partitions, spilled and read back under memory pressure.
@@ -16,8 +17,10 @@
 //! - [`worker`]: the worker process: scheduler channel, task execution.
 
 pub mod cpu;
+pub mod device;
 pub mod engine;
 pub mod expr;
+pub mod gpu;
 pub mod guest_api;
 pub mod io;
 pub mod limits;

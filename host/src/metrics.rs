@@ -4,8 +4,8 @@
 use std::cell::RefCell;
 
 use prometheus::{
-    Counter, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder, exponential_buckets,
+    Counter, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder, exponential_buckets,
 };
 
 use crate::memory::{PoolStats, Tier};
@@ -207,6 +207,93 @@ impl WorkerMetrics {
         }
     }
 
+    /// Registers the series of a GPU worker (only GPU workers export them): NVML telemetry under
+    /// the `wrk_gpu_*` names the monitoring README and Grafana dashboard use, labelled with the
+    /// device ordinal `gpu`, plus the device pool and host<->device transfer counters.
+    pub fn register_gpu(&mut self, ordinal: u32) -> GpuMetrics {
+        let names = RefCell::new(std::mem::take(&mut self.names));
+        let target = (&self.registry, &names);
+        let gpu_opts = |name: &str, help: &str| {
+            Opts::new(name, help)
+                .namespace("wrk")
+                .subsystem("gpu")
+                .const_label("gpu", ordinal.to_string())
+        };
+        let gauge = |name: &str, help: &str| {
+            register(
+                target,
+                GaugeVec::new(gpu_opts(name, help), &[]).unwrap_or_else(|e| panic!("{e}")),
+            )
+        };
+        let worker_gauge = |name: &str, help: &str| {
+            register(
+                target,
+                IntGaugeVec::new(opts(name, help), &[]).unwrap_or_else(|e| panic!("{e}")),
+            )
+        };
+        let worker_counter = |name: &str, help: &str| {
+            register(
+                target,
+                IntCounterVec::new(opts(name, help), &["direction"])
+                    .unwrap_or_else(|e| panic!("{e}")),
+            )
+        };
+        let metrics = GpuMetrics {
+            memory_used_bytes: gauge("memory_used_bytes", "Device memory used (NVML)"),
+            memory_total_bytes: gauge("memory_total_bytes", "Device memory in all (NVML)"),
+            sm_utilization_ratio: gauge(
+                "sm_utilization_ratio",
+                "Fraction of time a kernel ran on the SMs, 0-1 (NVML)",
+            ),
+            pcie_rx_bytes_per_second: gauge(
+                "pcie_rx_bytes_per_second",
+                "PCIe traffic into the device (NVML)",
+            ),
+            pcie_tx_bytes_per_second: gauge(
+                "pcie_tx_bytes_per_second",
+                "PCIe traffic out of the device (NVML)",
+            ),
+            pcie_max_bytes_per_second: gauge(
+                "pcie_max_bytes_per_second",
+                "The PCIe link's capacity per direction, from its generation and width (NVML)",
+            ),
+            nvlink_rx_bytes_per_second: gauge(
+                "nvlink_rx_bytes_per_second",
+                "NVLink traffic into the device, where NVLink exists (NVML)",
+            ),
+            nvlink_tx_bytes_per_second: gauge(
+                "nvlink_tx_bytes_per_second",
+                "NVLink traffic out of the device, where NVLink exists (NVML)",
+            ),
+            temperature_celsius: gauge("temperature_celsius", "GPU temperature (NVML)"),
+            power_watts: gauge("power_watts", "Power draw (NVML)"),
+            device_pool_size_bytes: worker_gauge(
+                "device_pool_size_bytes",
+                "The size of the worker's device memory pool",
+            ),
+            device_pool_used_bytes: worker_gauge(
+                "device_pool_used_bytes",
+                "Bytes of the device memory pool in use",
+            ),
+            device_pool_peak_bytes: worker_gauge(
+                "device_pool_peak_bytes",
+                "Highest use of the device memory pool since the worker started",
+            ),
+            transfers: DeviceTransferMetrics {
+                bytes: worker_counter(
+                    "device_transfer_bytes_total",
+                    "Bytes copied between host and device memory, by direction (to_device, to_host)",
+                ),
+                count: worker_counter(
+                    "device_transfers_total",
+                    "Copies between host and device memory, by direction (to_device, to_host)",
+                ),
+            },
+        };
+        self.names = names.into_inner();
+        metrics
+    }
+
     /// Counts bytes moved over TCP in one direction (`fetched` or `served`).
     pub fn count_transfer(&self, direction: &'static str, bytes: usize) {
         self.transfer_bytes
@@ -265,6 +352,95 @@ impl WorkerMetrics {
     }
 }
 
+/// Counters of host<->device copies.
+#[derive(Clone)]
+pub struct DeviceTransferMetrics {
+    bytes: IntCounterVec,
+    count: IntCounterVec,
+}
+
+impl DeviceTransferMetrics {
+    pub fn record(&self, direction: &str, bytes: u64) {
+        self.bytes.with_label_values(&[direction]).inc_by(bytes);
+        self.count.with_label_values(&[direction]).inc();
+    }
+}
+
+/// The series of a GPU worker (see [`WorkerMetrics::register_gpu`]). A value NVML does not
+/// report on the device is left out of the exposition rather than shown as zero.
+#[derive(Clone)]
+pub struct GpuMetrics {
+    memory_used_bytes: GaugeVec,
+    memory_total_bytes: GaugeVec,
+    sm_utilization_ratio: GaugeVec,
+    pcie_rx_bytes_per_second: GaugeVec,
+    pcie_tx_bytes_per_second: GaugeVec,
+    pcie_max_bytes_per_second: GaugeVec,
+    nvlink_rx_bytes_per_second: GaugeVec,
+    nvlink_tx_bytes_per_second: GaugeVec,
+    temperature_celsius: GaugeVec,
+    power_watts: GaugeVec,
+    device_pool_size_bytes: IntGaugeVec,
+    device_pool_used_bytes: IntGaugeVec,
+    device_pool_peak_bytes: IntGaugeVec,
+    pub transfers: DeviceTransferMetrics,
+}
+
+impl GpuMetrics {
+    /// Updates the gauges from an NVML sample.
+    pub fn observe(&self, sample: &wrk_proto::GpuTelemetry) {
+        let set = |gauge: &GaugeVec, value: Option<f64>| match value {
+            Some(v) => gauge.with_label_values::<&str>(&[]).set(v),
+            None => {
+                let _ = gauge.remove_label_values::<&str>(&[]);
+            }
+        };
+        set(
+            &self.memory_used_bytes,
+            Some(sample.memory_used_bytes as f64),
+        );
+        set(
+            &self.memory_total_bytes,
+            Some(sample.memory_total_bytes as f64),
+        );
+        set(&self.sm_utilization_ratio, sample.sm_utilization);
+        set(
+            &self.pcie_rx_bytes_per_second,
+            sample.pcie_rx_bytes_per_second,
+        );
+        set(
+            &self.pcie_tx_bytes_per_second,
+            sample.pcie_tx_bytes_per_second,
+        );
+        set(
+            &self.pcie_max_bytes_per_second,
+            sample.pcie_max_bytes_per_second,
+        );
+        set(
+            &self.nvlink_rx_bytes_per_second,
+            sample.nvlink_rx_bytes_per_second,
+        );
+        set(
+            &self.nvlink_tx_bytes_per_second,
+            sample.nvlink_tx_bytes_per_second,
+        );
+        set(&self.temperature_celsius, sample.temperature_celsius);
+        set(&self.power_watts, sample.power_watts);
+    }
+
+    /// Updates the device pool gauges.
+    pub fn observe_pool(&self, size: u64, used: u64, peak: u64) {
+        let set = |gauge: &IntGaugeVec, value: u64| {
+            gauge
+                .with_label_values::<&str>(&[])
+                .set(i64::try_from(value).unwrap_or(i64::MAX))
+        };
+        set(&self.device_pool_size_bytes, size);
+        set(&self.device_pool_used_bytes, used);
+        set(&self.device_pool_peak_bytes, peak);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,6 +487,53 @@ mod tests {
                 r#"wrk_worker_transfer_bytes_total{direction="served",transport="tcp"} 10"#
             ),
             "{text}"
+        );
+        assert!(
+            !text.contains("wrk_gpu_"),
+            "a CPU worker exports no GPU series"
+        );
+    }
+
+    #[test]
+    fn gpu_series_use_the_dashboard_names_and_leave_out_what_nvml_lacks() {
+        let mut metrics = WorkerMetrics::new(compile_cache_counter());
+        let gpu = metrics.register_gpu(1);
+        gpu.observe(&wrk_proto::GpuTelemetry {
+            memory_used_bytes: 5 << 30,
+            memory_total_bytes: 80 << 30,
+            sm_utilization: Some(0.5),
+            temperature_celsius: Some(61.0),
+            power_watts: Some(300.5),
+            pcie_tx_bytes_per_second: Some(1e9),
+            pcie_rx_bytes_per_second: Some(2e9),
+            ..Default::default()
+        });
+        gpu.observe_pool(64 << 30, 1 << 30, 2 << 30);
+        gpu.transfers.record("to_device", 4096);
+        gpu.transfers.record("to_device", 4096);
+        let text = metrics.render();
+        for line in [
+            r#"wrk_gpu_memory_used_bytes{gpu="1"} 5368709120"#,
+            r#"wrk_gpu_sm_utilization_ratio{gpu="1"} 0.5"#,
+            r#"wrk_gpu_temperature_celsius{gpu="1"} 61"#,
+            r#"wrk_gpu_power_watts{gpu="1"} 300.5"#,
+            r#"wrk_gpu_pcie_rx_bytes_per_second{gpu="1"} 2000000000"#,
+            "wrk_worker_device_pool_used_bytes 1073741824",
+            r#"wrk_worker_device_transfer_bytes_total{direction="to_device"} 8192"#,
+            r#"wrk_worker_device_transfers_total{direction="to_device"} 2"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        // NVLink is absent on this sample: no series rather than a zero.
+        assert!(
+            !text.contains("wrk_gpu_nvlink_rx_bytes_per_second{"),
+            "{text}"
+        );
+        assert!(
+            metrics
+                .names()
+                .iter()
+                .any(|n| n == "wrk_gpu_nvlink_rx_bytes_per_second")
         );
     }
 }

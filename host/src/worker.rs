@@ -23,6 +23,7 @@ use wrk_proto::{
     TaskFailed, TaskStats, WorkerMessage,
 };
 
+use crate::device::{DeviceConfig, DeviceError, WorkerDevice};
 use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
 use crate::guest_api::{TaskInfo, WIT_VERSION};
 use crate::memory::spill::{SpillDir, SpillError};
@@ -60,12 +61,16 @@ pub struct WorkerConfig {
     pub pool_bytes: u64,
     /// Where the worker spills partitions: its own directory under this root.
     pub spill_root: PathBuf,
+    /// The device to drive (`--device`) and its pool size.
+    pub device: DeviceConfig,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     #[error("cannot listen on {address}: {source}")]
     Listen {
         address: SocketAddr,
@@ -148,8 +153,10 @@ pub async fn run(
     buffers.set_limit(config.pool_bytes / 8);
     let store =
         Arc::new(PartitionStore::new(config.pool_bytes, spill).with_buffers(buffers.clone()));
-    let metrics = WorkerMetrics::new(engine.cache_outcomes());
+    let mut metrics = WorkerMetrics::new(engine.cache_outcomes());
     metrics.slots.set(i64::from(config.slots.max(1)));
+    // First, so that a worker asked for a GPU it cannot have fails before it listens anywhere.
+    let device = WorkerDevice::start(&config.device, &mut metrics)?;
 
     let listener =
         TcpListener::bind(config.listen)
@@ -247,12 +254,13 @@ pub async fn run(
         worker_id: worker_id.clone(),
         data_address: data_address.clone(),
         slots: config.slots.max(1),
-        device: "cpu".into(),
+        device: device.name(),
         pool_bytes: config.pool_bytes,
         wit_version: WIT_VERSION.into(),
         http_address,
         shuffle_address: format!("{host}:{shuffle_port}"),
         ucx_address: shuffle.ucx_address(),
+        gpu: device.gpu_info(),
     };
     let _ = outbox
         .send(WorkerMessage {
@@ -292,7 +300,7 @@ pub async fn run(
             });
         }
     };
-    tracing::info!(worker = %worker_id, data = %data_address, slots = config.slots, "worker registered with {}", config.scheduler);
+    tracing::info!(worker = %worker_id, data = %data_address, slots = config.slots, device = %device.name(), "worker registered with {}", config.scheduler);
 
     let shared = Arc::new(Shared {
         worker_id: worker_id.clone(),
@@ -314,10 +322,13 @@ pub async fn run(
         tokio::select! {
             _ = &mut shutdown => break Ok(()),
             _ = heartbeat.tick() => {
-                let beat = heartbeat_of(
-                    &shared.store.stats(),
-                    shared.running.load(std::sync::atomic::Ordering::Relaxed),
-                );
+                let beat = Heartbeat {
+                    gpu: device.sample().await,
+                    ..heartbeat_of(
+                        &shared.store.stats(),
+                        shared.running.load(std::sync::atomic::Ordering::Relaxed),
+                    )
+                };
                 let _ = outbox.send(WorkerMessage { kind: Some(ToScheduler::Heartbeat(beat)) }).await;
             }
             message = inbound.message() => match message {
@@ -409,9 +420,10 @@ async fn serve_metrics(
     Ok((server, bound))
 }
 
-/// What a heartbeat tells the scheduler about this worker.
+/// What a heartbeat tells the scheduler about this worker (its device's telemetry apart).
 fn heartbeat_of(stats: &StoreStats, running_tasks: u32) -> Heartbeat {
     Heartbeat {
+        gpu: None,
         pool_used_bytes: stats.pool.used,
         running_tasks,
         partitions: stats.partitions,

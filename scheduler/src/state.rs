@@ -146,6 +146,9 @@ struct Worker {
     shuffle_address: String,
     ucx_address: Vec<u8>,
     device: String,
+    /// A GPU worker's device, as it registered, and its latest telemetry.
+    gpu: Option<wrk_proto::GpuInfo>,
+    gpu_telemetry: Option<wrk_proto::GpuTelemetry>,
     pool_bytes: u64,
     pool_used_bytes: u64,
     partitions: u64,
@@ -616,6 +619,8 @@ impl State {
                 shuffle_address: register.shuffle_address.clone(),
                 ucx_address: register.ucx_address.clone(),
                 device: register.device.clone(),
+                gpu: register.gpu.clone(),
+                gpu_telemetry: None,
                 pool_bytes: register.pool_bytes,
                 pool_used_bytes: 0,
                 partitions: 0,
@@ -637,6 +642,9 @@ impl State {
                 worker.pool_bytes = beat.pool_bytes;
             }
             worker.beat = *beat;
+            if beat.gpu.is_some() {
+                worker.gpu_telemetry = beat.gpu;
+            }
             worker.memory.sample(now_us, beat.pool_used_bytes);
         }
     }
@@ -1676,6 +1684,8 @@ impl State {
                 spilled_partitions: w.beat.spilled_partitions,
                 spill_count: w.beat.spill_count,
                 unspill_count: w.beat.unspill_count,
+                gpu: w.gpu.clone(),
+                gpu_telemetry: w.gpu_telemetry,
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
@@ -2543,6 +2553,54 @@ mod tests {
         assert_eq!(timeline.memory[0].used_bytes, 4096);
         let workers = state.workers_view();
         assert_eq!(workers.workers[0].pool_used_bytes, 4096);
+    }
+
+    #[test]
+    fn a_gpu_worker_shows_its_device_and_latest_telemetry() {
+        let mut state = State::new();
+        let (tx, _rx) = mpsc::unbounded_channel();
+        state
+            .register_worker(
+                &Register {
+                    worker_id: "g".into(),
+                    data_address: "http://g".into(),
+                    slots: 1,
+                    device: "gpu:0".into(),
+                    gpu: Some(wrk_proto::GpuInfo {
+                        name: "NVIDIA A100-SXM4-40GB MIG 1g.5gb".into(),
+                        mig_profile: "1g.5gb".into(),
+                        memory_total_bytes: 5 << 30,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                tx,
+            )
+            .unwrap();
+        let _cpu = add_worker(&mut state, "c", 1);
+        let beat = |sm| wrk_proto::Heartbeat {
+            gpu: Some(wrk_proto::GpuTelemetry {
+                memory_used_bytes: 1 << 30,
+                memory_total_bytes: 5 << 30,
+                sm_utilization: sm,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        state.heartbeat("g", &beat(Some(0.25)));
+        // A heartbeat without telemetry keeps the last sample.
+        state.heartbeat("g", &wrk_proto::Heartbeat::default());
+        let status = state.status(T);
+        let gpu = &status.workers[1];
+        assert_eq!(gpu.device, "gpu:0");
+        assert_eq!(gpu.gpu.as_ref().unwrap().mig_profile, "1g.5gb");
+        assert_eq!(gpu.gpu_telemetry.unwrap().sm_utilization, Some(0.25));
+        assert!(status.workers[0].gpu.is_none());
+        let view = state.workers_view();
+        let json = serde_json::to_value(&view.workers).unwrap();
+        assert_eq!(json[1]["gpu"]["mig_profile"], "1g.5gb");
+        assert_eq!(json[1]["gpu"]["sm_utilization"], 0.25);
+        assert!(json[0].get("gpu").is_none(), "{json}");
     }
 
     #[test]

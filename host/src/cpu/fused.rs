@@ -212,8 +212,8 @@ pub fn try_evaluate(expr: &Expr, batch: &RecordBatch) -> Option<Result<ArrayRef,
 }
 
 /// Whether the program can evaluate `expr`'s top node itself (its children may still be leaves
-/// the kernels evaluate).
-fn fusible(expr: &Expr, schema: &Schema) -> bool {
+/// the kernels evaluate). The GPU code generator fuses exactly the nodes this admits.
+pub(crate) fn fusible(expr: &Expr, schema: &Schema) -> bool {
     let kind_of = |e: &Expr| e.data_type(schema).ok().as_ref().and_then(Kind::of);
     let Some(kind) = kind_of(expr) else {
         return false;

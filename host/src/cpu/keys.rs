@@ -191,14 +191,16 @@ fn small_range(values: &arrow::array::Int64Array) -> Option<(i64, usize)> {
 }
 
 /// The partition hash of a null key value.
-const NULL_HASH: u64 = 0x9e37_79b9_7f4a_7c15;
+pub(crate) const NULL_HASH: u64 = 0x9e37_79b9_7f4a_7c15;
+/// The multipliers of [`mix`] (the GPU kernels use the same constants).
+pub(crate) const MIX_MULTIPLIERS: [u64; 2] = [0xff51_afd7_ed55_8ccd, 0xc4ce_b9fe_1a85_ec53];
 
 /// MurmurHash3's 64-bit finaliser: a fixed, well-mixed permutation of `u64`.
 fn mix(mut h: u64) -> u64 {
     h ^= h >> 33;
-    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h = h.wrapping_mul(MIX_MULTIPLIERS[0]);
     h ^= h >> 33;
-    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h = h.wrapping_mul(MIX_MULTIPLIERS[1]);
     h ^ (h >> 33)
 }
 

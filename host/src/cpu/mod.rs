@@ -3,9 +3,9 @@
 //! Used when a worker has no GPU; it is also the reference the CUDA backend is tested against.
 
 pub mod eval;
-mod fused;
+pub(crate) mod fused;
 pub mod join;
-mod keys;
+pub(crate) mod keys;
 pub mod ops;
 pub mod partition;
 pub mod sort;

@@ -194,6 +194,24 @@
       : '<tr><td colspan="4" class="empty">no transfers in this window: every task read its inputs where they were</td></tr>';
   }
 
+  // "gpu:0 NVIDIA A100 (MIG 1g.10gb) 63%": the device, and for a GPU worker its name and load.
+  function deviceText(w) {
+    if (!w.gpu) return w.device || "-";
+    var text = (w.device || "gpu") + " " + w.gpu.name;
+    if (w.gpu.mig_profile) text += " (MIG " + w.gpu.mig_profile + ")";
+    if (w.gpu.sm_utilization !== null && w.gpu.sm_utilization !== undefined) text += " " + (100 * w.gpu.sm_utilization).toFixed(0) + "%";
+    return text;
+  }
+
+  function deviceTitle(w) {
+    if (!w.gpu) return "";
+    var parts = [w.gpu.uuid];
+    if (w.gpu.memory_used_bytes !== null) parts.push("memory " + T.formatBytes(w.gpu.memory_used_bytes) + " / " + T.formatBytes(w.gpu.memory_total_bytes));
+    if (w.gpu.temperature_celsius !== null) parts.push(w.gpu.temperature_celsius.toFixed(0) + " C");
+    if (w.gpu.power_watts !== null) parts.push(w.gpu.power_watts.toFixed(0) + " W");
+    return ' title="' + T.escapeHtml(parts.join(", ")) + '"';
+  }
+
   function renderWorkers() {
     var from = nowUs() - s.windowUs;
     var done = new Map();
@@ -214,7 +232,7 @@
       var mem = w.pool_bytes > 0 ? w.pool_used_bytes / w.pool_bytes : w.pool_used_bytes / largest;
       var memText = T.formatBytes(w.pool_used_bytes) + (w.pool_bytes > 0 ? " / " + T.formatBytes(w.pool_bytes) : "");
       return '<tr data-worker="' + T.escapeHtml(w.id) + '"><td class="mono" title="' + T.escapeHtml(w.address) + '">' + T.escapeHtml(w.id) +
-        "</td><td>" + T.escapeHtml(w.device || "-") +
+        "</td><td" + deviceTitle(w) + ">" + T.escapeHtml(deviceText(w)) +
         '</td><td><span class="bar" title="' + w.assigned + " assigned (running or queued) for " + w.slots + ' slots"><span class="busy" style="width:' + busy.toFixed(1) + '%"></span></span> ' + w.assigned + "/" + w.slots +
         '</td><td><span class="bar"><span class="mem" style="width:' + (100 * Math.min(1, mem)).toFixed(1) + '%"></span></span> ' + memText +
         '</td><td class="num">' + w.partitions + '</td><td class="num">' + (done.get(w.id) || 0) + "</td></tr>";

@@ -43,6 +43,41 @@ pub struct WorkerView {
     pub partitions: u64,
     /// Milliseconds since its last message.
     pub seen_ms_ago: u64,
+    /// A GPU worker's device and latest telemetry (absent on CPU workers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuView>,
+}
+
+/// A GPU worker's device, with its latest NVML sample (fields NVML does not support are null).
+#[derive(Debug, Serialize)]
+pub struct GpuView {
+    pub name: String,
+    pub uuid: String,
+    pub mig_profile: String,
+    pub memory_total_bytes: u64,
+    pub memory_used_bytes: Option<u64>,
+    pub sm_utilization: Option<f64>,
+    pub temperature_celsius: Option<f64>,
+    pub power_watts: Option<f64>,
+    pub pcie_tx_bytes_per_second: Option<f64>,
+    pub pcie_rx_bytes_per_second: Option<f64>,
+}
+
+impl GpuView {
+    fn new(info: &wrk_proto::GpuInfo, telemetry: Option<&wrk_proto::GpuTelemetry>) -> Self {
+        GpuView {
+            name: info.name.clone(),
+            uuid: info.uuid.clone(),
+            mig_profile: info.mig_profile.clone(),
+            memory_total_bytes: info.memory_total_bytes,
+            memory_used_bytes: telemetry.map(|t| t.memory_used_bytes),
+            sm_utilization: telemetry.and_then(|t| t.sm_utilization),
+            temperature_celsius: telemetry.and_then(|t| t.temperature_celsius),
+            power_watts: telemetry.and_then(|t| t.power_watts),
+            pcie_tx_bytes_per_second: telemetry.and_then(|t| t.pcie_tx_bytes_per_second),
+            pcie_rx_bytes_per_second: telemetry.and_then(|t| t.pcie_rx_bytes_per_second),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -150,6 +185,10 @@ impl State {
                 pool_used_bytes: w.pool_used_bytes,
                 partitions: w.partitions,
                 seen_ms_ago: w.last_seen.elapsed().as_millis() as u64,
+                gpu: w
+                    .gpu
+                    .as_ref()
+                    .map(|info| GpuView::new(info, w.gpu_telemetry.as_ref())),
             })
             .collect();
         workers.sort_by(|a, b| a.id.cmp(&b.id));

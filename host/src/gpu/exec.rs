@@ -1,0 +1,461 @@
+//! Launching kernels and the building blocks every device operator shares: prefix sums, stream
+//! compaction (the selected rows of a 0/1 flag column), gathers of columns and tables, and the
+//! stable LSD radix sort of 64-bit words.
+//!
+//! Sizes the host needs to allocate the next buffer (a scan's total, the bits a sort must look
+//! at) are read back as small scalars; those reads are control traffic, not table data, and are
+//! not counted as transfers.
+
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+use super::GpuRuntime;
+use super::kernels::KernelError;
+use super::pool::{DeviceBuffer, PoolError};
+use super::table::{DeviceColumn, DeviceTable, TableError, address, to_host, value_width};
+
+/// "No row": gathers as a null (the unmatched side of a left join).
+pub const NONE: u32 = u32::MAX;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    #[error(transparent)]
+    Table(#[from] TableError),
+    #[error("launching `{kernel}` failed: {detail}")]
+    Launch { kernel: String, detail: String },
+    #[error("{rows} rows exceed the device operators' 32-bit row indices")]
+    TooManyRows { rows: usize },
+}
+
+/// A kernel argument.
+#[derive(Clone, Copy)]
+pub enum Arg<'a> {
+    /// A device buffer's address.
+    Buf(&'a DeviceBuffer),
+    /// A buffer's address plus a byte offset.
+    At(&'a DeviceBuffer, u64),
+    /// An optional buffer: null when absent.
+    Opt(Option<&'a DeviceBuffer>),
+    I64(i64),
+    U64(u64),
+    U32(u32),
+    I32(i32),
+    F64(f64),
+    U8(u8),
+}
+
+/// Threads per block of the row kernels (grid-stride loops).
+const BLOCK: u32 = 256;
+/// Threads per block of the scan (its blocks scan exactly this many values).
+const SCAN_BLOCK: u32 = 1024;
+
+/// A grid covering `n` rows (grid-stride loops cover the rest).
+pub fn rows_config(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, 1 << 20) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Checks that `rows` fit the kernels' `u32` row indices.
+pub fn check_rows(rows: usize) -> Result<u32, ExecError> {
+    u32::try_from(rows)
+        .ok()
+        .filter(|r| *r != NONE)
+        .ok_or(ExecError::TooManyRows { rows })
+}
+
+/// Launches `function` with `args`.
+///
+/// # Safety contract
+/// The arguments must match the kernel's parameter list in `fixed.cu` (or the generated
+/// signature of a fused kernel) in number, order and type, and every buffer must be large enough
+/// for the rows the kernel touches; each call site is written against that signature.
+pub fn launch(
+    runtime: &GpuRuntime,
+    function: &CudaFunction,
+    name: &str,
+    config: LaunchConfig,
+    args: &[Arg<'_>],
+) -> Result<(), ExecError> {
+    // Every argument as the bytes the kernel receives: addresses and scalars, kept alive here.
+    #[derive(Clone, Copy)]
+    enum Value {
+        U64(u64),
+        I64(i64),
+        U32(u32),
+        I32(i32),
+        F64(f64),
+        U8(u8),
+    }
+    let values: Vec<Value> = args
+        .iter()
+        .map(|a| match *a {
+            Arg::Buf(b) => Value::U64(address(runtime, b, 0)),
+            Arg::At(b, offset) => Value::U64(address(runtime, b, offset)),
+            Arg::Opt(b) => Value::U64(b.map_or(0, |b| address(runtime, b, 0))),
+            Arg::I64(v) => Value::I64(v),
+            Arg::U64(v) => Value::U64(v),
+            Arg::U32(v) => Value::U32(v),
+            Arg::I32(v) => Value::I32(v),
+            Arg::F64(v) => Value::F64(v),
+            Arg::U8(v) => Value::U8(v),
+        })
+        .collect();
+    let mut builder = runtime.stream.launch_builder(function);
+    for value in &values {
+        match value {
+            Value::U64(v) => builder.arg(v),
+            Value::I64(v) => builder.arg(v),
+            Value::U32(v) => builder.arg(v),
+            Value::I32(v) => builder.arg(v),
+            Value::F64(v) => builder.arg(v),
+            Value::U8(v) => builder.arg(v),
+        };
+    }
+    // SAFETY: see the contract above; the kernel reads only the buffers passed, which outlive
+    // the launch because every caller synchronises (or keeps them) before dropping them.
+    unsafe { builder.launch(config) }.map_err(|e| ExecError::Launch {
+        kernel: name.to_string(),
+        detail: e.to_string(),
+    })?;
+    Ok(())
+}
+
+/// Launches the fixed kernel `name` over `n` rows.
+pub fn run(runtime: &GpuRuntime, name: &str, n: usize, args: &[Arg<'_>]) -> Result<(), ExecError> {
+    let function = runtime.kernels.fixed(name)?;
+    launch(runtime, &function, name, rows_config(n), args)
+}
+
+/// A pool buffer of `count` elements of `width` bytes.
+pub fn alloc(runtime: &GpuRuntime, count: usize, width: usize) -> Result<DeviceBuffer, ExecError> {
+    Ok(runtime.pool.alloc((count * width) as u64)?)
+}
+
+/// `count` `u32`s set to `value`.
+pub fn filled_u32(
+    runtime: &GpuRuntime,
+    count: usize,
+    value: u32,
+) -> Result<DeviceBuffer, ExecError> {
+    let buffer = alloc(runtime, count, 4)?;
+    run(
+        runtime,
+        "wrk_fill_u32",
+        count,
+        &[Arg::Buf(&buffer), Arg::U32(value), Arg::I64(count as i64)],
+    )?;
+    Ok(buffer)
+}
+
+/// `count` `u64`s set to `value`.
+pub fn filled_u64(
+    runtime: &GpuRuntime,
+    count: usize,
+    value: u64,
+) -> Result<DeviceBuffer, ExecError> {
+    let buffer = alloc(runtime, count, 8)?;
+    run(
+        runtime,
+        "wrk_fill_u64",
+        count,
+        &[Arg::Buf(&buffer), Arg::U64(value), Arg::I64(count as i64)],
+    )?;
+    Ok(buffer)
+}
+
+/// `count` bytes set to `value`.
+pub fn filled_u8(runtime: &GpuRuntime, count: usize, value: u8) -> Result<DeviceBuffer, ExecError> {
+    let buffer = alloc(runtime, count, 1)?;
+    run(
+        runtime,
+        "wrk_fill_u8",
+        count,
+        &[Arg::Buf(&buffer), Arg::U8(value), Arg::I64(count as i64)],
+    )?;
+    Ok(buffer)
+}
+
+/// `0, 1, ..., count - 1`.
+pub fn iota(runtime: &GpuRuntime, count: usize) -> Result<DeviceBuffer, ExecError> {
+    let buffer = alloc(runtime, count, 4)?;
+    run(
+        runtime,
+        "wrk_iota_u32",
+        count,
+        &[Arg::Buf(&buffer), Arg::I64(count as i64)],
+    )?;
+    Ok(buffer)
+}
+
+/// Element `index` of a `u32` buffer.
+pub fn read_u32(
+    runtime: &GpuRuntime,
+    buffer: &DeviceBuffer,
+    index: usize,
+) -> Result<u32, ExecError> {
+    let bytes = to_host(runtime, buffer, (index + 1) * 4)?;
+    let b = &bytes[index * 4..];
+    Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// The exclusive prefix sum of `n` `u32` values, and their total.
+pub fn exclusive_scan(
+    runtime: &GpuRuntime,
+    values: &DeviceBuffer,
+    n: usize,
+) -> Result<(DeviceBuffer, u32), ExecError> {
+    let out = alloc(runtime, n, 4)?;
+    if n == 0 {
+        return Ok((out, 0));
+    }
+    let blocks = n.div_ceil(SCAN_BLOCK as usize);
+    let sums = alloc(runtime, blocks, 4)?;
+    let config = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (SCAN_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let scan = runtime.kernels.fixed("wrk_scan_blocks")?;
+    launch(
+        runtime,
+        &scan,
+        "wrk_scan_blocks",
+        config,
+        &[
+            Arg::Buf(values),
+            Arg::Buf(&out),
+            Arg::Buf(&sums),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    if blocks > 1 {
+        let (offsets, _) = exclusive_scan(runtime, &sums, blocks)?;
+        let add = runtime.kernels.fixed("wrk_scan_add")?;
+        launch(
+            runtime,
+            &add,
+            "wrk_scan_add",
+            config,
+            &[Arg::Buf(&out), Arg::Buf(&offsets), Arg::I64(n as i64)],
+        )?;
+    }
+    let total = read_u32(runtime, &out, n - 1)? + read_u32(runtime, values, n - 1)?;
+    Ok((out, total))
+}
+
+/// The indices of the rows whose flag is 1, in order, and how many there are.
+pub fn selected_rows(
+    runtime: &GpuRuntime,
+    flags: &DeviceBuffer,
+    n: usize,
+) -> Result<(DeviceBuffer, usize), ExecError> {
+    let (positions, total) = exclusive_scan(runtime, flags, n)?;
+    let indices = alloc(runtime, total as usize, 4)?;
+    run(
+        runtime,
+        "wrk_selected_rows",
+        n,
+        &[
+            Arg::Buf(flags),
+            Arg::Buf(&positions),
+            Arg::Buf(&indices),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    Ok((indices, total as usize))
+}
+
+/// Rows `indices[0..m]` of `column` (a `NONE` index gives a null).
+pub fn gather_column(
+    runtime: &GpuRuntime,
+    column: &DeviceColumn,
+    indices: &DeviceBuffer,
+    m: usize,
+    may_be_none: bool,
+) -> Result<DeviceColumn, ExecError> {
+    let rows = Arg::I64(m as i64);
+    let validity = if column.validity.is_some() || may_be_none {
+        let out = alloc(runtime, m, 1)?;
+        run(
+            runtime,
+            "wrk_gather_valid",
+            m,
+            &[
+                Arg::Opt(column.validity.as_ref()),
+                Arg::Buf(indices),
+                Arg::Buf(&out),
+                rows,
+            ],
+        )?;
+        Some(out)
+    } else {
+        None
+    };
+    let (values, offsets) = match &column.data_type {
+        arrow::datatypes::DataType::Null => (alloc(runtime, 0, 1)?, None),
+        arrow::datatypes::DataType::Utf8 => {
+            let src_offsets = column.offsets.as_ref().ok_or_else(|| TableError::Rebuild {
+                column: "a string column".into(),
+                detail: "no offsets".into(),
+            })?;
+            let lengths = alloc(runtime, m, 4)?;
+            run(
+                runtime,
+                "wrk_gather_str_lengths",
+                m,
+                &[
+                    Arg::Buf(src_offsets),
+                    Arg::Buf(indices),
+                    Arg::Buf(&lengths),
+                    rows,
+                ],
+            )?;
+            let (positions, total) = exclusive_scan(runtime, &lengths, m)?;
+            let offsets = alloc(runtime, m + 1, 4)?;
+            run(
+                runtime,
+                "wrk_offsets_to_i32",
+                m + 1,
+                &[
+                    Arg::Buf(&positions),
+                    Arg::U32(total),
+                    Arg::Buf(&offsets),
+                    rows,
+                ],
+            )?;
+            let bytes = alloc(runtime, total as usize, 1)?;
+            run(
+                runtime,
+                "wrk_gather_str_bytes",
+                m,
+                &[
+                    Arg::Buf(src_offsets),
+                    Arg::Buf(&column.values),
+                    Arg::Buf(indices),
+                    Arg::Buf(&positions),
+                    Arg::Buf(&bytes),
+                    rows,
+                ],
+            )?;
+            (bytes, Some(offsets))
+        }
+        other => {
+            let width = value_width(other).ok_or_else(|| TableError::Unsupported {
+                column: "gathered".into(),
+                data_type: other.clone(),
+            })?;
+            let values = alloc(runtime, m, width)?;
+            let kernel = match width {
+                1 => "wrk_gather_1",
+                2 => "wrk_gather_2",
+                4 => "wrk_gather_4",
+                _ => "wrk_gather_8",
+            };
+            run(
+                runtime,
+                kernel,
+                m,
+                &[
+                    Arg::Buf(&column.values),
+                    Arg::Buf(indices),
+                    Arg::Buf(&values),
+                    rows,
+                ],
+            )?;
+            (values, None)
+        }
+    };
+    Ok(DeviceColumn {
+        data_type: column.data_type.clone(),
+        len: m,
+        values,
+        offsets,
+        validity,
+    })
+}
+
+/// Rows `indices[0..m]` of every column of `table`.
+pub fn gather_table(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    indices: &DeviceBuffer,
+    m: usize,
+) -> Result<DeviceTable, ExecError> {
+    let columns = table
+        .columns
+        .iter()
+        .map(|c| gather_column(runtime, c, indices, m, false))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(DeviceTable {
+        schema: table.schema.clone(),
+        columns,
+        rows: m,
+    })
+}
+
+/// Stably reorders `perm` (`n` row indices) by the words they point at, in ascending unsigned
+/// order, one bit per pass over the bits that differ between the words.
+pub fn radix_sort(
+    runtime: &GpuRuntime,
+    words: &DeviceBuffer,
+    mut perm: DeviceBuffer,
+    n: usize,
+) -> Result<DeviceBuffer, ExecError> {
+    if n < 2 {
+        return Ok(perm);
+    }
+    let init = [0u64.to_le_bytes(), u64::MAX.to_le_bytes()].concat();
+    let or_and = super::table::to_device(runtime, &init)?;
+    run(
+        runtime,
+        "wrk_bits_in_use",
+        n,
+        &[Arg::Buf(words), Arg::Buf(&or_and), Arg::I64(n as i64)],
+    )?;
+    let bytes = to_host(runtime, &or_and, 16)?;
+    let word = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(b)
+    };
+    let varying = word(0) ^ word(1);
+    let flags = alloc(runtime, n, 4)?;
+    let mut out = alloc(runtime, n, 4)?;
+    for bit in (0..64u32).filter(|b| varying & (1 << b) != 0) {
+        run(
+            runtime,
+            "wrk_radix_zero_flags",
+            n,
+            &[
+                Arg::Buf(words),
+                Arg::Buf(&perm),
+                Arg::U32(bit),
+                Arg::Buf(&flags),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        let (zero_positions, zeros) = exclusive_scan(runtime, &flags, n)?;
+        run(
+            runtime,
+            "wrk_radix_scatter",
+            n,
+            &[
+                Arg::Buf(&perm),
+                Arg::Buf(&flags),
+                Arg::Buf(&zero_positions),
+                Arg::U32(zeros),
+                Arg::Buf(&out),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        std::mem::swap(&mut perm, &mut out);
+    }
+    Ok(perm)
+}

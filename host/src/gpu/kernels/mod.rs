@@ -1,0 +1,172 @@
+//! The CUDA kernels: CUDA C generated per expression ([`fused`]) or written once
+//! ([`FIXED_SOURCE`]: compaction, gathers, hashing, radix sort, group-by, join), compiled to PTX
+//! with NVRTC at run time and loaded into the worker's context.
+//!
+//! [`KernelCache`] compiles the fixed module once per worker and each fused kernel once per
+//! expression shape; [`compile_ptx`] is the NVRTC step alone, which needs no GPU (the tests use
+//! it to compile every kernel the generator can emit).
+
+pub mod fused;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use super::detect::nvrtc_library_present;
+
+/// The fixed kernels' CUDA C.
+pub const FIXED_SOURCE: &str = include_str!("fixed.cu");
+
+/// The oldest architecture the kernels support: group-by waits on slots a warp neighbour is
+/// writing, which needs Volta's independent thread scheduling.
+pub const MIN_ARCH: (i32, i32) = (7, 0);
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("NVRTC is not available: {0}")]
+    NoNvrtc(super::detect::NoGpu),
+    #[error("NVRTC failed to compile {what}: {detail}")]
+    Compile { what: String, detail: String },
+    #[error("loading {what} into the CUDA context failed: {detail}")]
+    Load { what: String, detail: String },
+    #[error("the GPU has compute capability {major}.{minor}; the kernels need 7.0 or newer")]
+    TooOld { major: i32, minor: i32 },
+}
+
+/// NVRTC's `--gpu-architecture` value for a compute capability.
+pub fn arch_option((major, minor): (i32, i32)) -> String {
+    format!("--gpu-architecture=compute_{major}{minor}")
+}
+
+/// Compiles CUDA C `source` to PTX for `arch` (`--gpu-architecture=...`). `what` names the
+/// module in errors. Needs `libnvrtc`, not a GPU.
+pub fn compile_ptx(source: &str, arch: &str, what: &str) -> Result<Ptx, KernelError> {
+    if !nvrtc_library_present() {
+        return Err(KernelError::NoNvrtc(
+            super::detect::NoGpu::NvrtcLibraryMissing,
+        ));
+    }
+    let options = CompileOptions {
+        options: vec![arch.to_string(), "--std=c++17".into()],
+        name: Some(format!(
+            "{}.cu",
+            what.replace(|c: char| !c.is_alphanumeric(), "_")
+        )),
+        ..CompileOptions::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| KernelError::Compile {
+        what: what.to_string(),
+        detail: compile_error_text(&e),
+    })
+}
+
+fn compile_error_text(error: &cudarc::nvrtc::CompileError) -> String {
+    match error {
+        cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => {
+            format!("{nvrtc:?}: {}", log.to_string_lossy())
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// How often a fused kernel came from the cache.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub compiled: u64,
+}
+
+/// The worker's compiled kernels.
+pub struct KernelCache {
+    context: Arc<CudaContext>,
+    arch: String,
+    fixed: Arc<CudaModule>,
+    fused: Mutex<HashMap<String, CudaFunction>>,
+    stats: Mutex<CacheStats>,
+}
+
+impl KernelCache {
+    /// Compiles and loads the fixed kernels for the context's device.
+    pub fn new(context: Arc<CudaContext>) -> Result<Self, KernelError> {
+        let capability = context
+            .compute_capability()
+            .map_err(|e| KernelError::Load {
+                what: "the device's compute capability".into(),
+                detail: e.to_string(),
+            })?;
+        if capability < MIN_ARCH {
+            return Err(KernelError::TooOld {
+                major: capability.0,
+                minor: capability.1,
+            });
+        }
+        let arch = arch_option(capability);
+        let ptx = compile_ptx(FIXED_SOURCE, &arch, "wrk fixed kernels")?;
+        let fixed = context.load_module(ptx).map_err(|e| KernelError::Load {
+            what: "the fixed kernels".into(),
+            detail: e.to_string(),
+        })?;
+        Ok(KernelCache {
+            context,
+            arch,
+            fixed,
+            fused: Mutex::new(HashMap::new()),
+            stats: Mutex::new(CacheStats::default()),
+        })
+    }
+
+    /// A fixed kernel by name.
+    pub fn fixed(&self, name: &str) -> Result<CudaFunction, KernelError> {
+        self.fixed
+            .load_function(name)
+            .map_err(|e| KernelError::Load {
+                what: format!("kernel `{name}`"),
+                detail: e.to_string(),
+            })
+    }
+
+    /// The compiled kernel of `kernel`'s shape, compiling it on first use.
+    pub fn fused(&self, kernel: &fused::FusedKernel) -> Result<CudaFunction, KernelError> {
+        if let Some(function) = self
+            .fused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&kernel.shape)
+        {
+            self.stats.lock().unwrap_or_else(|e| e.into_inner()).hits += 1;
+            return Ok(function.clone());
+        }
+        // Compiled outside the lock: two threads may compile one shape once each, harmlessly.
+        let ptx = compile_ptx(&kernel.source(), &self.arch, &kernel.shape)?;
+        let module = self
+            .context
+            .load_module(ptx)
+            .map_err(|e| KernelError::Load {
+                what: format!("the kernel of `{}`", kernel.shape),
+                detail: e.to_string(),
+            })?;
+        let function = module
+            .load_function(fused::KERNEL_NAME)
+            .map_err(|e| KernelError::Load {
+                what: format!("the kernel of `{}`", kernel.shape),
+                detail: e.to_string(),
+            })?;
+        self.fused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(kernel.shape.clone(), function.clone());
+        self.stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .compiled += 1;
+        Ok(function)
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

@@ -1,0 +1,1095 @@
+//! Table operators on device tables, mirroring the CPU backend (`cpu::ops`, `cpu::partition`,
+//! `cpu::sort`, `cpu::join`) with the same results:
+//!
+//! - [`evaluate`] runs an expression's fused kernel; [`filter`] keeps the rows where a predicate
+//!   is true (stream compaction by prefix sum, then gathers);
+//! - [`hash_partition`] splits by the pinned partition hash (`cpu/keys.rs`), each part in input
+//!   order;
+//! - [`group_by`] on one fixed-width key: a hash table built with atomics, groups numbered by
+//!   first occurrence, sum/count/mean/min/max with atomics;
+//! - [`sort`]: stable LSD radix sort of order-preserving key words, any number of fixed-width
+//!   keys, ascending or descending, nulls first or last;
+//! - [`join`] on one fixed-width key pair: inner, left, semi, anti (build on the right table:
+//!   its valid rows sorted by key, runs hashed; probe with the left);
+//! - [`concat`] of tables with the same columns.
+//!
+//! What a kernel does not cover yet (string keys or several group/join keys, count-distinct,
+//! string expressions) is refused with [`GpuOpError::Unsupported`]: the caller keeps that
+//! operator on the CPU backend.
+
+use std::sync::Arc;
+
+use arrow::datatypes::{DataType, Field, Schema};
+
+use super::GpuRuntime;
+use super::exec::{
+    self, Arg, ExecError, NONE, alloc, check_rows, filled_u8, filled_u32, filled_u64,
+    gather_column, gather_table, iota, radix_sort, run, selected_rows,
+};
+use super::kernels::fused::{self, CodegenError, LiteralArg};
+use super::table::{DeviceColumn, DeviceTable, TableError, to_host, value_width};
+use crate::cpu::join::JoinType;
+use crate::cpu::ops::{Aggregate, AggregateFn};
+use crate::cpu::sort::SortKey;
+use crate::expr::{Expr, ExprError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuOpError {
+    #[error("{operator} on the GPU: {detail}")]
+    Unsupported {
+        operator: &'static str,
+        detail: String,
+    },
+    #[error("{operator}: {detail}")]
+    Invalid {
+        operator: &'static str,
+        detail: String,
+    },
+    #[error(transparent)]
+    Expr(#[from] ExprError),
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+}
+
+impl From<CodegenError> for GpuOpError {
+    fn from(e: CodegenError) -> Self {
+        match e {
+            CodegenError::Type(e) => GpuOpError::Expr(e),
+            other => GpuOpError::Unsupported {
+                operator: "expression",
+                detail: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<super::kernels::KernelError> for GpuOpError {
+    fn from(e: super::kernels::KernelError) -> Self {
+        GpuOpError::Exec(ExecError::Kernel(e))
+    }
+}
+
+impl From<TableError> for GpuOpError {
+    fn from(e: TableError) -> Self {
+        GpuOpError::Exec(ExecError::Table(e))
+    }
+}
+
+impl From<super::pool::PoolError> for GpuOpError {
+    fn from(e: super::pool::PoolError) -> Self {
+        GpuOpError::Exec(ExecError::Pool(e))
+    }
+}
+
+fn column_of<'a>(
+    table: &'a DeviceTable,
+    operator: &'static str,
+    name: &str,
+) -> Result<&'a DeviceColumn, GpuOpError> {
+    table.column(name).ok_or_else(|| GpuOpError::Invalid {
+        operator,
+        detail: format!(
+            "no column `{name}` (the table has: {})",
+            crate::expr::column_list(&table.schema)
+        ),
+    })
+}
+
+/// The suffix of the fixed kernels for a column type's storage (`i32` for dates, `i64` for
+/// timestamps, `u8` for booleans), or `None` for strings and nulls.
+fn storage_suffix(data_type: &DataType) -> Option<&'static str> {
+    use DataType::*;
+    Some(match data_type {
+        Int8 => "i8",
+        Int16 => "i16",
+        Int32 | Date32 => "i32",
+        Int64 | Timestamp(_, _) => "i64",
+        UInt8 | Boolean => "u8",
+        UInt16 => "u16",
+        UInt32 => "u32",
+        UInt64 => "u64",
+        Float32 => "f32",
+        Float64 => "f64",
+        _ => return None,
+    })
+}
+
+/// A copy of `column` (device to device).
+fn copy_column(runtime: &GpuRuntime, column: &DeviceColumn) -> Result<DeviceColumn, GpuOpError> {
+    let indices = iota(runtime, column.len)?;
+    Ok(gather_column(runtime, column, &indices, column.len, false)?)
+}
+
+/// `expr` over `table`, in one fused kernel.
+pub fn evaluate(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    expr: &Expr,
+) -> Result<DeviceColumn, GpuOpError> {
+    if let Expr::Column(name) = expr {
+        return copy_column(runtime, column_of(table, "evaluate", name)?);
+    }
+    let kernel = fused::generate(expr, &table.schema)?;
+    let function = runtime.kernels.fused(&kernel)?;
+    let n = table.rows;
+    let error = filled_u32(runtime, 1, 0)?;
+    let width = value_width(&kernel.output.data_type()).unwrap_or(8);
+    let out = alloc(runtime, n, width)?;
+    let out_valid = alloc(runtime, n, 1)?;
+    let mut args = vec![Arg::I64(n as i64), Arg::Buf(&error)];
+    for input in &kernel.inputs {
+        let column = column_of(table, "evaluate", &input.column)?;
+        if column.data_type == DataType::Null {
+            args.push(Arg::Opt(None));
+        } else {
+            args.push(Arg::Buf(&column.values));
+        }
+        args.push(Arg::Opt(column.validity.as_ref()));
+    }
+    for literal in &kernel.literals {
+        args.push(match *literal {
+            LiteralArg::F64(v) => Arg::F64(v),
+            LiteralArg::I64(v) => Arg::I64(v),
+            LiteralArg::U64(v) => Arg::U64(v),
+            LiteralArg::Bool(v) => Arg::I32(i32::from(v)),
+        });
+    }
+    args.push(Arg::Buf(&out));
+    args.push(Arg::Buf(&out_valid));
+    exec::launch(
+        runtime,
+        &function,
+        &kernel.shape,
+        exec::rows_config(n),
+        &args,
+    )?;
+    if exec::read_u32(runtime, &error, 0)? != 0 {
+        return Err(ExprError::Evaluation {
+            expr: expr.to_string(),
+            detail: "Divide by zero error".into(),
+        }
+        .into());
+    }
+    Ok(DeviceColumn {
+        data_type: kernel.output.data_type(),
+        len: n,
+        values: out,
+        offsets: None,
+        validity: Some(out_valid),
+    })
+}
+
+/// The rows of `table` where `predicate` is true (null counts as false).
+pub fn filter(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    predicate: &Expr,
+) -> Result<DeviceTable, GpuOpError> {
+    let data_type = predicate.data_type(&table.schema)?;
+    if data_type != DataType::Boolean {
+        return Err(GpuOpError::Invalid {
+            operator: "filter",
+            detail: format!("the predicate `{predicate}` is {data_type}, not boolean"),
+        });
+    }
+    let mask = evaluate(runtime, table, predicate)?;
+    let n = table.rows;
+    let flags = alloc(runtime, n, 4)?;
+    run(
+        runtime,
+        "wrk_mask_flags",
+        n,
+        &[
+            Arg::Buf(&mask.values),
+            Arg::Opt(mask.validity.as_ref()),
+            Arg::Buf(&flags),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    let (indices, m) = selected_rows(runtime, &flags, n)?;
+    Ok(gather_table(runtime, table, &indices, m)?)
+}
+
+/// The rows of `table` split into `partitions` tables by the partition hash of `keys`; row `r`
+/// goes to table `hash % partitions`, each keeping the input's row order.
+pub fn hash_partition(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    keys: &[String],
+    partitions: u32,
+) -> Result<Vec<DeviceTable>, GpuOpError> {
+    const OP: &str = "hash-partition";
+    if keys.is_empty() || partitions == 0 {
+        return Err(GpuOpError::Invalid {
+            operator: OP,
+            detail: format!(
+                "needs at least one key and one partition, got {} keys and {partitions} partitions",
+                keys.len()
+            ),
+        });
+    }
+    let n = table.rows;
+    check_rows(n)?;
+    let hashes = filled_u64(runtime, n, 0)?;
+    for key in keys {
+        let column = column_of(table, OP, key)?;
+        let rows = Arg::I64(n as i64);
+        if column.data_type == DataType::Utf8 {
+            let offsets = column.offsets.as_ref().ok_or_else(|| GpuOpError::Invalid {
+                operator: OP,
+                detail: format!("string column `{key}` has no offsets"),
+            })?;
+            run(
+                runtime,
+                "wrk_hash_str",
+                n,
+                &[
+                    Arg::Buf(offsets),
+                    Arg::Buf(&column.values),
+                    Arg::Opt(column.validity.as_ref()),
+                    Arg::Buf(&hashes),
+                    rows,
+                ],
+            )?;
+            continue;
+        }
+        let suffix = storage_suffix(&column.data_type).ok_or_else(|| GpuOpError::Invalid {
+            operator: OP,
+            detail: format!("cannot hash-partition a key of type {}", column.data_type),
+        })?;
+        run(
+            runtime,
+            &format!("wrk_hash_{suffix}"),
+            n,
+            &[
+                Arg::Buf(&column.values),
+                Arg::Opt(column.validity.as_ref()),
+                Arg::Buf(&hashes),
+                rows,
+            ],
+        )?;
+    }
+    let flags = alloc(runtime, n, 4)?;
+    let mut parts = Vec::with_capacity(partitions as usize);
+    for part in 0..partitions {
+        run(
+            runtime,
+            "wrk_partition_flags",
+            n,
+            &[
+                Arg::Buf(&hashes),
+                Arg::U64(u64::from(partitions)),
+                Arg::U64(u64::from(part)),
+                Arg::Buf(&flags),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        let (indices, m) = selected_rows(runtime, &flags, n)?;
+        parts.push(gather_table(runtime, table, &indices, m)?);
+    }
+    Ok(parts)
+}
+
+/// The rows of `table` ordered by `keys` (stable: equal keys keep their input order).
+pub fn sort(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    keys: &[SortKey],
+) -> Result<DeviceTable, GpuOpError> {
+    const OP: &str = "sort";
+    if keys.is_empty() {
+        return Err(GpuOpError::Invalid {
+            operator: OP,
+            detail: "at least one sort key is needed".into(),
+        });
+    }
+    let n = table.rows;
+    check_rows(n)?;
+    let mut perm = iota(runtime, n)?;
+    let words = alloc(runtime, n, 8)?;
+    // LSD: the last key first; within a key, its values first and its null pass last.
+    for key in keys.iter().rev() {
+        let column = column_of(table, OP, &key.column)?;
+        let suffix = storage_suffix(&column.data_type).ok_or_else(|| GpuOpError::Unsupported {
+            operator: OP,
+            detail: format!(
+                "sorting by `{}` of type {} has no kernel yet",
+                key.column, column.data_type
+            ),
+        })?;
+        run(
+            runtime,
+            &format!("wrk_order_word_{suffix}"),
+            n,
+            &[
+                Arg::Buf(&column.values),
+                Arg::Opt(column.validity.as_ref()),
+                Arg::I32(i32::from(key.descending)),
+                Arg::Buf(&words),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        perm = radix_sort(runtime, &words, perm, n)?;
+        if column.validity.is_some() {
+            run(
+                runtime,
+                "wrk_null_word",
+                n,
+                &[
+                    Arg::Opt(column.validity.as_ref()),
+                    Arg::I32(i32::from(key.nulls_first)),
+                    Arg::Buf(&words),
+                    Arg::I64(n as i64),
+                ],
+            )?;
+            perm = radix_sort(runtime, &words, perm, n)?;
+        }
+    }
+    Ok(gather_table(runtime, table, &perm, n)?)
+}
+
+/// The equality words of a fixed-width key column.
+fn equality_words(
+    runtime: &GpuRuntime,
+    column: &DeviceColumn,
+    operator: &'static str,
+) -> Result<super::pool::DeviceBuffer, GpuOpError> {
+    let suffix = storage_suffix(&column.data_type).ok_or_else(|| GpuOpError::Unsupported {
+        operator,
+        detail: format!("keys of type {} have no kernel yet", column.data_type),
+    })?;
+    let words = alloc(runtime, column.len, 8)?;
+    run(
+        runtime,
+        &format!("wrk_eq_word_{suffix}"),
+        column.len,
+        &[
+            Arg::Buf(&column.values),
+            Arg::Buf(&words),
+            Arg::I64(column.len as i64),
+        ],
+    )?;
+    Ok(words)
+}
+
+/// A power-of-two hash table size with room for `entries` at half load.
+fn table_capacity(entries: usize) -> usize {
+    (entries * 2).max(16).next_power_of_two()
+}
+
+/// Hash group-by on one key column: the key column, then one column per aggregate; groups in
+/// order of first occurrence, nulls forming their own group.
+pub fn group_by(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    keys: &[String],
+    aggregates: &[Aggregate],
+) -> Result<DeviceTable, GpuOpError> {
+    const OP: &str = "group-by";
+    let [key] = keys else {
+        return Err(if keys.is_empty() {
+            GpuOpError::Invalid {
+                operator: OP,
+                detail: "at least one key column is needed".into(),
+            }
+        } else {
+            GpuOpError::Unsupported {
+                operator: OP,
+                detail: format!("{} key columns (the kernels take one)", keys.len()),
+            }
+        });
+    };
+    let n = table.rows;
+    check_rows(n)?;
+    let key_column = column_of(table, OP, key)?;
+    let words = equality_words(runtime, key_column, OP)?;
+    let capacity = table_capacity(n);
+    let slots = capacity + 1;
+    let slot_words = alloc(runtime, capacity, 8)?;
+    let slot_state = filled_u32(runtime, capacity, 0)?;
+    let first_row = filled_u32(runtime, slots, NONE)?;
+    let row_slot = alloc(runtime, n, 4)?;
+    run(
+        runtime,
+        "wrk_group_insert",
+        n,
+        &[
+            Arg::Buf(&words),
+            Arg::Opt(key_column.validity.as_ref()),
+            Arg::Buf(&slot_words),
+            Arg::Buf(&slot_state),
+            Arg::Buf(&first_row),
+            Arg::Buf(&row_slot),
+            Arg::U64(capacity as u64 - 1),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    let used_flags = alloc(runtime, slots, 4)?;
+    run(
+        runtime,
+        "wrk_used_slots",
+        slots,
+        &[
+            Arg::Buf(&first_row),
+            Arg::Buf(&used_flags),
+            Arg::I64(slots as i64),
+        ],
+    )?;
+    let (used_slots, groups) = selected_rows(runtime, &used_flags, slots)?;
+    // Number groups by first occurrence: sort the used slots by their first row.
+    let first_words = alloc(runtime, groups, 8)?;
+    run(
+        runtime,
+        "wrk_slot_first_rows",
+        groups,
+        &[
+            Arg::Buf(&used_slots),
+            Arg::Buf(&first_row),
+            Arg::Buf(&first_words),
+            Arg::I64(groups as i64),
+        ],
+    )?;
+    let order = radix_sort(runtime, &first_words, iota(runtime, groups)?, groups)?;
+    let group_of_slot = alloc(runtime, slots, 4)?;
+    let group_first_row = alloc(runtime, groups, 4)?;
+    run(
+        runtime,
+        "wrk_number_groups",
+        groups,
+        &[
+            Arg::Buf(&used_slots),
+            Arg::Buf(&order),
+            Arg::Buf(&first_row),
+            Arg::Buf(&group_of_slot),
+            Arg::Buf(&group_first_row),
+            Arg::I64(groups as i64),
+        ],
+    )?;
+    let row_group = alloc(runtime, n, 4)?;
+    run(
+        runtime,
+        "wrk_row_groups",
+        n,
+        &[
+            Arg::Buf(&row_slot),
+            Arg::Buf(&group_of_slot),
+            Arg::Buf(&row_group),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    let mut fields = vec![
+        table
+            .schema
+            .field_with_name(key)
+            .map_err(|e| GpuOpError::Invalid {
+                operator: OP,
+                detail: e.to_string(),
+            })?
+            .clone(),
+    ];
+    let mut columns = vec![gather_column(
+        runtime,
+        key_column,
+        &group_first_row,
+        groups,
+        false,
+    )?];
+    for aggregate in aggregates {
+        let values = column_of(table, OP, &aggregate.column)?;
+        let column = aggregate_column(runtime, table, values, aggregate, &row_group, groups)?;
+        fields.push(Field::new(&aggregate.alias, column.data_type.clone(), true));
+        columns.push(column);
+    }
+    Ok(DeviceTable {
+        schema: Arc::new(Schema::new(fields)),
+        columns,
+        rows: groups,
+    })
+}
+
+fn aggregate_column(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    values: &DeviceColumn,
+    aggregate: &Aggregate,
+    row_group: &super::pool::DeviceBuffer,
+    groups: usize,
+) -> Result<DeviceColumn, GpuOpError> {
+    const OP: &str = "group-by";
+    let n = values.len;
+    let counts = filled_u64(runtime, groups, 0)?;
+    run(
+        runtime,
+        "wrk_agg_count",
+        n,
+        &[
+            Arg::Opt(values.validity.as_ref()),
+            Arg::Buf(row_group),
+            Arg::Buf(&counts),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    let data_type = &values.data_type;
+    let numeric = data_type.is_numeric();
+    let function = aggregate.function;
+    if function == AggregateFn::Count {
+        return Ok(DeviceColumn {
+            data_type: DataType::Int64,
+            len: groups,
+            values: counts,
+            offsets: None,
+            validity: None,
+        });
+    }
+    if !numeric || function == AggregateFn::CountDistinct {
+        return Err(GpuOpError::Unsupported {
+            operator: OP,
+            detail: format!(
+                "{function:?} of `{}` ({data_type}) has no kernel yet",
+                aggregate.column
+            ),
+        });
+    }
+    let valid = alloc(runtime, groups, 1)?;
+    run(
+        runtime,
+        "wrk_count_valid",
+        groups,
+        &[Arg::Buf(&counts), Arg::Buf(&valid), Arg::I64(groups as i64)],
+    )?;
+    let suffix = storage_suffix(data_type).unwrap_or("f64");
+    let float = data_type.is_floating();
+    let unsigned = data_type.is_unsigned_integer();
+    let column = |data_type: DataType, values| DeviceColumn {
+        data_type,
+        len: groups,
+        values,
+        offsets: None,
+        validity: None,
+    };
+    let accumulate = |kernel: String, source: &DeviceColumn, acc: &super::pool::DeviceBuffer| {
+        run(
+            runtime,
+            &kernel,
+            n,
+            &[
+                Arg::Buf(&source.values),
+                Arg::Opt(source.validity.as_ref()),
+                Arg::Buf(row_group),
+                Arg::Buf(acc),
+                Arg::I64(n as i64),
+            ],
+        )
+    };
+    match function {
+        AggregateFn::Sum => {
+            let acc = filled_u64(runtime, groups, 0)?;
+            accumulate(format!("wrk_agg_sum_{suffix}"), values, &acc)?;
+            let result_type = if float {
+                DataType::Float64
+            } else if unsigned {
+                DataType::UInt64
+            } else {
+                DataType::Int64
+            };
+            Ok(DeviceColumn {
+                validity: Some(valid),
+                ..column(result_type, acc)
+            })
+        }
+        AggregateFn::Mean => {
+            // Means sum as f64 whatever the input (as the CPU backend does).
+            let as_float = if *data_type == DataType::Float64 {
+                None
+            } else {
+                let cast = Expr::Cast {
+                    arg: Arc::new(Expr::col(aggregate.column.clone())),
+                    to: DataType::Float64,
+                };
+                Some(evaluate(runtime, table, &cast)?)
+            };
+            let source = as_float.as_ref().unwrap_or(values);
+            let sums = filled_u64(runtime, groups, 0)?;
+            accumulate("wrk_agg_sum_f64".into(), source, &sums)?;
+            let means = alloc(runtime, groups, 8)?;
+            run(
+                runtime,
+                "wrk_agg_mean",
+                groups,
+                &[
+                    Arg::Buf(&sums),
+                    Arg::Buf(&counts),
+                    Arg::Buf(&means),
+                    Arg::Buf(&valid),
+                    Arg::I64(groups as i64),
+                ],
+            )?;
+            Ok(DeviceColumn {
+                validity: Some(valid),
+                ..column(DataType::Float64, means)
+            })
+        }
+        _ => {
+            let min = function == AggregateFn::Min;
+            let start = match (float, unsigned, min) {
+                (true, _, _) => f64::NAN.to_bits(),
+                (false, true, true) => u64::MAX,
+                (false, true, false) => 0,
+                (false, false, true) => i64::MAX as u64,
+                (false, false, false) => i64::MIN as u64,
+            };
+            let acc = filled_u64(runtime, groups, start)?;
+            let which = if min { "min" } else { "max" };
+            accumulate(format!("wrk_agg_{which}_{suffix}"), values, &acc)?;
+            // The result has the input's type (as the CPU backend casts it back).
+            let width = value_width(data_type).unwrap_or(8);
+            let out = if width == 8 {
+                acc
+            } else {
+                let narrow = alloc(runtime, groups, width)?;
+                run(
+                    runtime,
+                    &format!("wrk_narrow_{suffix}"),
+                    groups,
+                    &[Arg::Buf(&acc), Arg::Buf(&narrow), Arg::I64(groups as i64)],
+                )?;
+                narrow
+            };
+            Ok(DeviceColumn {
+                validity: Some(valid),
+                ..column(data_type.clone(), out)
+            })
+        }
+    }
+}
+
+/// Whether two key types compare by their equality words as the CPU backend compares them.
+fn joinable(left: &DataType, right: &DataType) -> bool {
+    use DataType::*;
+    let int_like =
+        |t: &DataType| matches!(t, Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32);
+    (left == right && storage_suffix(left).is_some())
+        || (int_like(left) && int_like(right))
+        || (left.is_floating() && right.is_floating())
+}
+
+/// Joins `left` with `right` on `left_on = right_on` (one key each).
+pub fn join(
+    runtime: &GpuRuntime,
+    left: &DeviceTable,
+    right: &DeviceTable,
+    left_on: &[String],
+    right_on: &[String],
+    how: JoinType,
+) -> Result<DeviceTable, GpuOpError> {
+    const OP: &str = "join";
+    let ([left_key], [right_key]) = (left_on, right_on) else {
+        return Err(GpuOpError::Unsupported {
+            operator: OP,
+            detail: format!(
+                "{} and {} key columns (the kernels take one each)",
+                left_on.len(),
+                right_on.len()
+            ),
+        });
+    };
+    let (lk, rk) = (
+        column_of(left, OP, left_key)?,
+        column_of(right, OP, right_key)?,
+    );
+    if !joinable(&lk.data_type, &rk.data_type) {
+        return Err(GpuOpError::Unsupported {
+            operator: OP,
+            detail: format!(
+                "keys of types {} and {} have no kernel yet",
+                lk.data_type, rk.data_type
+            ),
+        });
+    }
+    let (n, b_all) = (left.rows, right.rows);
+    check_rows(n)?;
+    check_rows(b_all)?;
+    let left_words = equality_words(runtime, lk, OP)?;
+    let right_words = equality_words(runtime, rk, OP)?;
+    // Build: the right table's valid rows, sorted by word (stable), in runs of equal keys.
+    let valid_flags = alloc(runtime, b_all, 4)?;
+    run(
+        runtime,
+        "wrk_valid_flags",
+        b_all,
+        &[
+            Arg::Opt(rk.validity.as_ref()),
+            Arg::Buf(&valid_flags),
+            Arg::I64(b_all as i64),
+        ],
+    )?;
+    let (build_rows, b) = selected_rows(runtime, &valid_flags, b_all)?;
+    let build_words = alloc(runtime, b, 8)?;
+    run(
+        runtime,
+        "wrk_gather_8",
+        b,
+        &[
+            Arg::Buf(&right_words),
+            Arg::Buf(&build_rows),
+            Arg::Buf(&build_words),
+            Arg::I64(b as i64),
+        ],
+    )?;
+    let order = radix_sort(runtime, &build_words, iota(runtime, b)?, b)?;
+    let build_order = alloc(runtime, b, 4)?;
+    run(
+        runtime,
+        "wrk_gather_4",
+        b,
+        &[
+            Arg::Buf(&build_rows),
+            Arg::Buf(&order),
+            Arg::Buf(&build_order),
+            Arg::I64(b as i64),
+        ],
+    )?;
+    let run_flags = alloc(runtime, b, 4)?;
+    run(
+        runtime,
+        "wrk_run_starts",
+        b,
+        &[
+            Arg::Buf(&build_words),
+            Arg::Buf(&order),
+            Arg::Buf(&run_flags),
+            Arg::I64(b as i64),
+        ],
+    )?;
+    let (run_starts, runs) = selected_rows(runtime, &run_flags, b)?;
+    let capacity = table_capacity(runs);
+    let slot_words = alloc(runtime, capacity, 8)?;
+    let slot_run = alloc(runtime, capacity, 4)?;
+    let slot_state = filled_u32(runtime, capacity, 0)?;
+    let mask = Arg::U64(capacity as u64 - 1);
+    run(
+        runtime,
+        "wrk_join_build",
+        runs,
+        &[
+            Arg::Buf(&build_words),
+            Arg::Buf(&order),
+            Arg::Buf(&run_starts),
+            Arg::Buf(&slot_words),
+            Arg::Buf(&slot_run),
+            Arg::Buf(&slot_state),
+            mask,
+            Arg::I64(runs as i64),
+        ],
+    )?;
+    // Probe with every left row.
+    let match_start = alloc(runtime, n, 4)?;
+    let match_count = alloc(runtime, n, 4)?;
+    run(
+        runtime,
+        "wrk_join_probe",
+        n,
+        &[
+            Arg::Buf(&left_words),
+            Arg::Opt(lk.validity.as_ref()),
+            Arg::Buf(&slot_words),
+            Arg::Buf(&slot_run),
+            Arg::Buf(&slot_state),
+            mask,
+            Arg::Buf(&run_starts),
+            Arg::U64(runs as u64),
+            Arg::U32(b as u32),
+            Arg::Buf(&match_start),
+            Arg::Buf(&match_count),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    if matches!(how, JoinType::Semi | JoinType::Anti) {
+        let flags = alloc(runtime, n, 4)?;
+        run(
+            runtime,
+            "wrk_match_flags",
+            n,
+            &[
+                Arg::Buf(&match_count),
+                Arg::I32(i32::from(how == JoinType::Semi)),
+                Arg::Buf(&flags),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        let (indices, m) = selected_rows(runtime, &flags, n)?;
+        return Ok(gather_table(runtime, left, &indices, m)?);
+    }
+    let keep_unmatched = i32::from(how == JoinType::Left);
+    let out_counts = alloc(runtime, n, 4)?;
+    run(
+        runtime,
+        "wrk_join_out_counts",
+        n,
+        &[
+            Arg::Buf(&match_count),
+            Arg::I32(keep_unmatched),
+            Arg::Buf(&out_counts),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    let (out_pos, m) = exec::exclusive_scan(runtime, &out_counts, n)?;
+    let m = m as usize;
+    let probe_rows = alloc(runtime, m, 4)?;
+    let build_out = alloc(runtime, m, 4)?;
+    run(
+        runtime,
+        "wrk_join_emit",
+        n,
+        &[
+            Arg::Buf(&match_start),
+            Arg::Buf(&match_count),
+            Arg::Buf(&out_pos),
+            Arg::Buf(&build_order),
+            Arg::I32(keep_unmatched),
+            Arg::Buf(&probe_rows),
+            Arg::Buf(&build_out),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    let left_part = gather_table(runtime, left, &probe_rows, m)?;
+    let mut fields: Vec<Field> = left_part
+        .schema
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
+    let mut columns = left_part.columns;
+    let mut taken: Vec<String> = fields.iter().map(|f| f.name().clone()).collect();
+    let unmatched = how == JoinType::Left;
+    for (field, column) in right.schema.fields().iter().zip(&right.columns) {
+        if right_on.contains(field.name()) {
+            continue;
+        }
+        let mut name = field.name().clone();
+        while taken.contains(&name) {
+            name = format!("{name}_right");
+        }
+        taken.push(name.clone());
+        fields.push(Field::new(
+            name,
+            field.data_type().clone(),
+            field.is_nullable() || unmatched,
+        ));
+        columns.push(gather_column(runtime, column, &build_out, m, unmatched)?);
+    }
+    Ok(DeviceTable {
+        schema: Arc::new(Schema::new(fields)),
+        columns,
+        rows: m,
+    })
+}
+
+/// The rows of `tables` one after the other (same column names and types).
+pub fn concat(runtime: &GpuRuntime, tables: &[&DeviceTable]) -> Result<DeviceTable, GpuOpError> {
+    const OP: &str = "concat";
+    let Some(first) = tables.first() else {
+        return Err(GpuOpError::Invalid {
+            operator: OP,
+            detail: "no tables to concatenate".into(),
+        });
+    };
+    for (i, t) in tables.iter().enumerate().skip(1) {
+        let same = t.schema.fields().len() == first.schema.fields().len()
+            && t.schema
+                .fields()
+                .iter()
+                .zip(first.schema.fields())
+                .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
+        if !same {
+            return Err(GpuOpError::Invalid {
+                operator: OP,
+                detail: format!("table {i} has other columns than table 0"),
+            });
+        }
+    }
+    let rows: usize = tables.iter().map(|t| t.rows).sum();
+    check_rows(rows)?;
+    let mut columns = Vec::with_capacity(first.columns.len());
+    for c in 0..first.columns.len() {
+        let parts: Vec<&DeviceColumn> = tables.iter().map(|t| &t.columns[c]).collect();
+        columns.push(concat_column(runtime, &parts, rows)?);
+    }
+    let fields: Vec<Field> = first
+        .schema
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let nullable = tables.iter().any(|t| t.schema.field(i).is_nullable());
+            f.as_ref().clone().with_nullable(nullable)
+        })
+        .collect();
+    Ok(DeviceTable {
+        schema: Arc::new(Schema::new(fields)),
+        columns,
+        rows,
+    })
+}
+
+/// Copies `bytes` bytes of `src` to `dst` at byte `at`.
+fn copy_into(
+    runtime: &GpuRuntime,
+    src: &super::pool::DeviceBuffer,
+    bytes: usize,
+    dst: &mut super::pool::DeviceBuffer,
+    at: usize,
+) -> Result<(), GpuOpError> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let source = src.slice().slice(0..bytes);
+    let mut target = dst.slice_mut().slice_mut(at..at + bytes);
+    runtime
+        .stream
+        .memcpy_dtod(&source, &mut target)
+        .map_err(|e| TableError::Copy(e.to_string()))?;
+    Ok(())
+}
+
+fn concat_column(
+    runtime: &GpuRuntime,
+    parts: &[&DeviceColumn],
+    rows: usize,
+) -> Result<DeviceColumn, GpuOpError> {
+    let data_type = parts[0].data_type.clone();
+    let validity = if parts.iter().any(|p| p.validity.is_some()) {
+        let mut out = alloc(runtime, rows, 1)?;
+        let mut at = 0;
+        for p in parts {
+            match &p.validity {
+                Some(v) => copy_into(runtime, v, p.len, &mut out, at)?,
+                None => {
+                    let ones = filled_u8(runtime, p.len, 1)?;
+                    copy_into(runtime, &ones, p.len, &mut out, at)?;
+                }
+            }
+            at += p.len;
+        }
+        Some(out)
+    } else {
+        None
+    };
+    let (values, offsets) = if data_type == DataType::Utf8 {
+        let mut lengths = Vec::with_capacity(parts.len());
+        for p in parts {
+            let offsets = p.offsets.as_ref().ok_or_else(|| GpuOpError::Invalid {
+                operator: "concat",
+                detail: "a string column without offsets".into(),
+            })?;
+            let bytes = to_host(runtime, offsets, (p.len + 1) * 4)?;
+            let end = &bytes[p.len * 4..];
+            lengths.push(i32::from_le_bytes([end[0], end[1], end[2], end[3]]).max(0) as usize);
+        }
+        let total: usize = lengths.iter().sum();
+        if i32::try_from(total).is_err() {
+            return Err(GpuOpError::Unsupported {
+                operator: "concat",
+                detail: format!("{total} bytes of strings exceed 32-bit offsets"),
+            });
+        }
+        let mut bytes = alloc(runtime, total, 1)?;
+        let offsets = alloc(runtime, rows + 1, 4)?;
+        let (mut at_bytes, mut at_rows) = (0usize, 0usize);
+        for (p, &len) in parts.iter().zip(&lengths) {
+            copy_into(runtime, &p.values, len, &mut bytes, at_bytes)?;
+            if let Some(src) = &p.offsets {
+                run(
+                    runtime,
+                    "wrk_offsets_shift",
+                    p.len + 1,
+                    &[
+                        Arg::Buf(src),
+                        Arg::I32(at_bytes as i32),
+                        Arg::At(&offsets, (at_rows * 4) as u64),
+                        Arg::I64(p.len as i64 + 1),
+                    ],
+                )?;
+            }
+            at_bytes += len;
+            at_rows += p.len;
+        }
+        (bytes, Some(offsets))
+    } else {
+        let width = value_width(&data_type).unwrap_or(1);
+        let mut values = alloc(
+            runtime,
+            if data_type == DataType::Null { 0 } else { rows },
+            width,
+        )?;
+        let mut at = 0;
+        if data_type != DataType::Null {
+            for p in parts {
+                copy_into(runtime, &p.values, p.len * width, &mut values, at)?;
+                at += p.len * width;
+            }
+        }
+        (values, None)
+    };
+    Ok(DeviceColumn {
+        data_type,
+        len: rows,
+        values,
+        offsets,
+        validity,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn join_keys_pair_as_the_cpu_compares_them() {
+        assert!(joinable(&DataType::Int32, &DataType::Int64));
+        assert!(joinable(&DataType::UInt32, &DataType::Int8));
+        assert!(joinable(&DataType::UInt64, &DataType::UInt64));
+        assert!(joinable(&DataType::Float32, &DataType::Float64));
+        assert!(joinable(&DataType::Date32, &DataType::Date32));
+        assert!(!joinable(&DataType::UInt64, &DataType::Int64));
+        assert!(!joinable(&DataType::Int64, &DataType::Float64));
+        assert!(!joinable(&DataType::Utf8, &DataType::Utf8));
+    }
+
+    #[test]
+    fn every_storage_suffix_names_fixed_kernels() {
+        let source = super::super::kernels::FIXED_SOURCE;
+        for t in [
+            DataType::Int8,
+            DataType::Int16,
+            DataType::Int32,
+            DataType::Int64,
+            DataType::UInt8,
+            DataType::UInt16,
+            DataType::UInt32,
+            DataType::UInt64,
+            DataType::Float32,
+            DataType::Float64,
+            DataType::Boolean,
+            DataType::Date32,
+        ] {
+            let suffix = storage_suffix(&t).unwrap();
+            for prefix in ["wrk_hash_", "wrk_eq_word_", "wrk_order_word_"] {
+                let name = format!("{prefix}{suffix},");
+                assert!(source.contains(&name), "{name} missing for {t}");
+            }
+            for prefix in ["wrk_agg_sum_", "wrk_agg_min_", "wrk_agg_max_"] {
+                let name = format!("{prefix}##suffix");
+                assert!(source.contains(&name), "{name}");
+                assert!(
+                    source.contains(&format!("WRK_AGG_KERNELS({suffix},"))
+                        || t == DataType::Boolean
+                        || t == DataType::Date32,
+                    "aggregates of {t}"
+                );
+            }
+        }
+        assert_eq!(table_capacity(0), 16);
+        assert_eq!(table_capacity(100), 256);
+    }
+}

@@ -1,0 +1,376 @@
+//! The device self-test: every device operator run on a small table and compared with the CPU
+//! backend. A GPU worker runs it at start (a broken driver, NVRTC or kernel then shows up as a
+//! clear start-up error, or a logged fallback to the CPU with `--device auto`), and the GPU tests
+//! run the same comparisons ([`compare_all`]) on larger tables.
+
+use std::sync::Arc;
+
+use arrow::array::{
+    Array, ArrayRef, AsArray, BooleanArray, Float64Array, Int32Array, Int64Array, RecordBatch,
+    StringArray,
+};
+use arrow::datatypes::{DataType, Float64Type};
+
+use super::GpuRuntime;
+use super::ops;
+use super::table::{download, upload};
+use crate::cpu;
+use crate::cpu::join::JoinType;
+use crate::cpu::ops::{Aggregate, AggregateFn};
+use crate::cpu::sort::SortKey;
+use crate::expr::{Expr, Literal};
+use crate::guest_api::wit::{BinaryOp, UnaryOp};
+
+/// A device result that differs from the CPU backend's.
+#[derive(Debug, thiserror::Error)]
+pub enum SelfTestError {
+    #[error("{operator}: the device failed: {detail}")]
+    Failed { operator: String, detail: String },
+    #[error("{operator}: the device's result differs from the CPU backend's: {detail}")]
+    Mismatch { operator: String, detail: String },
+}
+
+/// A deterministic table of `rows` rows: ints with nulls, floats with nulls, NaN and -0.0,
+/// strings, booleans.
+pub fn sample_table(rows: usize) -> RecordBatch {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut k = Vec::with_capacity(rows);
+    let mut x = Vec::with_capacity(rows);
+    let mut s = Vec::with_capacity(rows);
+    let mut b = Vec::with_capacity(rows);
+    let mut id = Vec::with_capacity(rows);
+    for row in 0..rows {
+        let r = next();
+        k.push((r % 17 != 0).then_some((r % 7) as i32 - 3));
+        x.push(match r % 23 {
+            0 => None,
+            1 => Some(f64::NAN),
+            2 => Some(-0.0),
+            _ => Some(((r >> 8) % 10_000) as f64 / 7.0 - 500.0),
+        });
+        s.push((r % 13 != 0).then(|| format!("w{}", (r >> 16) % 11)));
+        b.push((r >> 3) % 2 == 0);
+        id.push(row as i64);
+    }
+    let column = |a: ArrayRef| a;
+    RecordBatch::try_from_iter(vec![
+        ("k", column(Arc::new(Int32Array::from(k)))),
+        ("x", column(Arc::new(Float64Array::from(x)))),
+        ("s", column(Arc::new(StringArray::from(s)))),
+        ("b", column(Arc::new(BooleanArray::from(b)))),
+        ("id", column(Arc::new(Int64Array::from(id)))),
+    ])
+    .unwrap_or_else(|e| panic!("the sample table is well formed: {e}"))
+}
+
+/// A small dimension table keyed by `k` (with a duplicate key, so joins fan out).
+pub fn dimension_table() -> RecordBatch {
+    let keys: ArrayRef = Arc::new(Int64Array::from(vec![-3, -1, 0, 2, 2, 9]));
+    let names: ArrayRef = Arc::new(StringArray::from(vec!["a", "b", "c", "d", "e", "f"]));
+    RecordBatch::try_from_iter(vec![("k", keys), ("name", names)])
+        .unwrap_or_else(|e| panic!("the dimension table is well formed: {e}"))
+}
+
+/// Compares two batches: names, types, and values; floats within a relative `tolerance`
+/// (0 for exact), NaN equal to NaN.
+pub fn compare(
+    operator: &str,
+    device: &RecordBatch,
+    host: &RecordBatch,
+    tolerance: f64,
+) -> Result<(), SelfTestError> {
+    let mismatch = |detail: String| SelfTestError::Mismatch {
+        operator: operator.to_string(),
+        detail,
+    };
+    if device.num_rows() != host.num_rows() || device.num_columns() != host.num_columns() {
+        return Err(mismatch(format!(
+            "{}x{} vs {}x{}",
+            device.num_rows(),
+            device.num_columns(),
+            host.num_rows(),
+            host.num_columns()
+        )));
+    }
+    for (i, field) in host.schema().fields().iter().enumerate() {
+        let (d, h) = (device.column(i), host.column(i));
+        let device_field = device.schema().field(i).clone();
+        if device_field.name() != field.name() || d.data_type() != h.data_type() {
+            return Err(mismatch(format!(
+                "column {i}: {}: {} vs {}: {}",
+                device_field.name(),
+                d.data_type(),
+                field.name(),
+                h.data_type()
+            )));
+        }
+        if *h.data_type() == DataType::Float64 && tolerance > 0.0 {
+            let (d, h) = (
+                d.as_primitive::<Float64Type>(),
+                h.as_primitive::<Float64Type>(),
+            );
+            for row in 0..h.len() {
+                let same = match (d.is_valid(row), h.is_valid(row)) {
+                    (true, true) => {
+                        let (a, b) = (d.value(row), h.value(row));
+                        (a.is_nan() && b.is_nan()) || (a - b).abs() <= tolerance * b.abs().max(1.0)
+                    }
+                    (a, b) => a == b,
+                };
+                if !same {
+                    return Err(mismatch(format!(
+                        "column `{}` row {row}: {:?} vs {:?}",
+                        field.name(),
+                        d.is_valid(row).then(|| d.value(row)),
+                        h.is_valid(row).then(|| h.value(row))
+                    )));
+                }
+            }
+        } else if d.to_data() != h.to_data() {
+            // Compare logically (null slots may hold different bytes).
+            let render = |a: &ArrayRef| {
+                arrow::util::display::ArrayFormatter::try_new(a.as_ref(), &Default::default())
+                    .map(|f| {
+                        (0..a.len())
+                            .map(|r| f.value(r).to_string())
+                            .collect::<Vec<_>>()
+                    })
+                    .unwrap_or_default()
+            };
+            let (dr, hr) = (render(d), render(h));
+            // Validity row by row: one side may carry an all-valid null buffer, the other none.
+            let valid = |a: &ArrayRef| (0..a.len()).map(|r| a.is_valid(r)).collect::<Vec<_>>();
+            if dr != hr || valid(d) != valid(h) {
+                let first = (0..dr.len().min(hr.len()))
+                    .find(|&r| dr[r] != hr[r])
+                    .unwrap_or(0);
+                return Err(mismatch(format!(
+                    "column `{}` from row {first}: {:?} vs {:?}",
+                    field.name(),
+                    dr.get(first),
+                    hr.get(first)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn failed(operator: &str) -> impl Fn(String) -> SelfTestError + '_ {
+    move |detail| SelfTestError::Failed {
+        operator: operator.to_string(),
+        detail,
+    }
+}
+
+fn col(name: &str) -> Arc<Expr> {
+    Arc::new(Expr::col(name))
+}
+
+fn lit(v: f64) -> Arc<Expr> {
+    Arc::new(Expr::Literal(Literal::Float64(v)))
+}
+
+/// Every device operator on `table` (and joins with [`dimension_table`]) against the CPU backend.
+pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), SelfTestError> {
+    let device = upload(runtime, table).map_err(|e| failed("upload")(e.to_string()))?;
+    let roundtrip = download(runtime, &device).map_err(|e| failed("download")(e.to_string()))?;
+    compare("upload/download", &roundtrip, table, 0.0)?;
+
+    // A fused expression with math, a cast and null handling.
+    let expr = Expr::Binary {
+        op: BinaryOp::Add,
+        lhs: Arc::new(Expr::Unary {
+            op: UnaryOp::Sqrt,
+            arg: Arc::new(Expr::Unary {
+                op: UnaryOp::Abs,
+                arg: col("x"),
+            }),
+        }),
+        rhs: Arc::new(Expr::FillNull {
+            arg: Arc::new(Expr::Cast {
+                arg: col("k"),
+                to: DataType::Float64,
+            }),
+            fill: lit(0.5),
+        }),
+    };
+    let on_device =
+        ops::evaluate(runtime, &device, &expr).map_err(|e| failed("evaluate")(e.to_string()))?;
+    let on_device = download(
+        runtime,
+        &super::table::DeviceTable {
+            schema: Arc::new(arrow::datatypes::Schema::new(vec![
+                arrow::datatypes::Field::new("e", on_device.data_type.clone(), true),
+            ])),
+            columns: vec![on_device],
+            rows: table.num_rows(),
+        },
+    )
+    .map_err(|e| failed("evaluate")(e.to_string()))?;
+    let on_host =
+        cpu::eval::evaluate(&expr, table).map_err(|e| failed("evaluate")(e.to_string()))?;
+    let on_host = RecordBatch::try_from_iter(vec![("e", on_host)])
+        .map_err(|e| failed("evaluate")(e.to_string()))?;
+    compare("evaluate", &on_device, &on_host, 1e-12)?;
+
+    // Filter.
+    let predicate = Expr::Binary {
+        op: BinaryOp::And,
+        lhs: Arc::new(Expr::Binary {
+            op: BinaryOp::Gt,
+            lhs: col("x"),
+            rhs: lit(-100.0),
+        }),
+        rhs: col("b"),
+    };
+    let d = ops::filter(runtime, &device, &predicate)
+        .and_then(|t| Ok(download(runtime, &t)?))
+        .map_err(|e| failed("filter")(e.to_string()))?;
+    let h = cpu::ops::filter(table, &predicate).map_err(|e| failed("filter")(e.to_string()))?;
+    compare("filter", &d, &h, 0.0)?;
+
+    // Hash-partition on an int and a string key.
+    let keys = ["k".to_string(), "s".to_string()];
+    let d = ops::hash_partition(runtime, &device, &keys, 5)
+        .map_err(|e| failed("hash-partition")(e.to_string()))?;
+    let h = cpu::partition::hash_partition(table, &keys, 5)
+        .map_err(|e| failed("hash-partition")(e.to_string()))?;
+    for (p, (d, h)) in d.iter().zip(&h).enumerate() {
+        let d = download(runtime, d).map_err(|e| failed("hash-partition")(e.to_string()))?;
+        compare(&format!("hash-partition part {p}"), &d, h, 0.0)?;
+    }
+
+    // Group-by with every aggregate the kernels have.
+    let aggregates: Vec<Aggregate> = [
+        (AggregateFn::Sum, "x"),
+        (AggregateFn::Count, "x"),
+        (AggregateFn::Mean, "x"),
+        (AggregateFn::Min, "x"),
+        (AggregateFn::Max, "x"),
+        (AggregateFn::Sum, "id"),
+        (AggregateFn::Min, "k"),
+        (AggregateFn::Mean, "id"),
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, (function, column))| Aggregate {
+        column: column.to_string(),
+        function: *function,
+        alias: format!("a{i}"),
+    })
+    .collect();
+    let key = ["k".to_string()];
+    let d = ops::group_by(runtime, &device, &key, &aggregates)
+        .and_then(|t| Ok(download(runtime, &t)?))
+        .map_err(|e| failed("group-by")(e.to_string()))?;
+    let h = cpu::ops::group_by(table, &key, &aggregates)
+        .map_err(|e| failed("group-by")(e.to_string()))?;
+    // Float sums add in another order on the device.
+    compare("group-by", &d, &h, 1e-9)?;
+
+    // Sort: float descending with nulls first, then the id (unique, so the order is total).
+    let sort_keys = [
+        SortKey {
+            column: "x".into(),
+            descending: true,
+            nulls_first: true,
+        },
+        SortKey {
+            column: "id".into(),
+            descending: false,
+            nulls_first: false,
+        },
+    ];
+    let d = ops::sort(runtime, &device, &sort_keys)
+        .and_then(|t| Ok(download(runtime, &t)?))
+        .map_err(|e| failed("sort")(e.to_string()))?;
+    let h = cpu::sort::sort(table, &sort_keys).map_err(|e| failed("sort")(e.to_string()))?;
+    compare("sort", &d, &h, 0.0)?;
+
+    // Joins with the (smaller) dimension table: the CPU builds on it too, so orders agree.
+    let dimension = dimension_table();
+    let dim = upload(runtime, &dimension).map_err(|e| failed("join")(e.to_string()))?;
+    let on = ["k".to_string()];
+    for how in [
+        JoinType::Inner,
+        JoinType::Left,
+        JoinType::Semi,
+        JoinType::Anti,
+    ] {
+        let operator = format!("{how:?} join");
+        let d = ops::join(runtime, &device, &dim, &on, &on, how)
+            .and_then(|t| Ok(download(runtime, &t)?))
+            .map_err(|e| failed(&operator)(e.to_string()))?;
+        let h = cpu::join::join(table, &dimension, &on, &on, how)
+            .map_err(|e| failed(&operator)(e.to_string()))?;
+        compare(&operator, &d, &h, 0.0)?;
+    }
+
+    // Concat of the table with itself.
+    let d = ops::concat(runtime, &[&device, &device])
+        .and_then(|t| Ok(download(runtime, &t)?))
+        .map_err(|e| failed("concat")(e.to_string()))?;
+    let h = cpu::ops::concat(&[table, table]).map_err(|e| failed("concat")(e.to_string()))?;
+    compare("concat", &d, &h, 0.0)
+}
+
+/// The start-up check: [`compare_all`] on a table of a few thousand rows (several scan blocks).
+pub fn run(runtime: &GpuRuntime) -> Result<(), SelfTestError> {
+    compare_all(runtime, &sample_table(5_000))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_comparison_catches_differences_and_tolerates_float_noise() {
+        let a = sample_table(100);
+        compare("same", &a, &a, 0.0).unwrap();
+        let b = sample_table(99);
+        assert!(compare("rows", &a, &b, 0.0).is_err());
+        let x: ArrayRef = Arc::new(Float64Array::from(vec![Some(1.0), None, Some(f64::NAN)]));
+        let y: ArrayRef = Arc::new(Float64Array::from(vec![
+            Some(1.0 + 1e-12),
+            None,
+            Some(f64::NAN),
+        ]));
+        let z: ArrayRef = Arc::new(Float64Array::from(vec![Some(1.1), None, Some(f64::NAN)]));
+        let batch = |c: &ArrayRef| RecordBatch::try_from_iter(vec![("v", c.clone())]).unwrap();
+        compare("noise", &batch(&x), &batch(&y), 1e-9).unwrap();
+        assert!(compare("exact", &batch(&x), &batch(&y), 0.0).is_err());
+        assert!(compare("off", &batch(&x), &batch(&z), 1e-9).is_err());
+        // An all-valid null buffer equals no null buffer; a null equals only a null.
+        let plain: ArrayRef = Arc::new(Int32Array::from(vec![1, 2]));
+        let buffered: ArrayRef = Arc::new(Int32Array::new(
+            vec![1, 2].into(),
+            Some(arrow::buffer::NullBuffer::new_valid(2)),
+        ));
+        let null: ArrayRef = Arc::new(Int32Array::from(vec![Some(1), None]));
+        compare("buffers", &batch(&plain), &batch(&buffered), 0.0).unwrap();
+        assert!(compare("null", &batch(&plain), &batch(&null), 0.0).is_err());
+    }
+
+    #[test]
+    fn device_operators_match_the_cpu_backend() {
+        let Some(runtime) = super::super::test_runtime("device_operators_match_the_cpu_backend")
+        else {
+            return;
+        };
+        // Empty, one row, a partial scan block, several blocks and levels of the scan.
+        for rows in [0, 1, 1000, 5_000, 1_100_000] {
+            compare_all(&runtime, &sample_table(rows))
+                .unwrap_or_else(|e| panic!("{rows} rows: {e}"));
+        }
+        let stats = runtime.pool.stats();
+        assert_eq!(stats.used, 0, "every device buffer went back to the pool");
+        assert!(stats.peak > 0);
+    }
+}
