@@ -4,8 +4,8 @@
 use std::cell::RefCell;
 
 use prometheus::{
-    Counter, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder, exponential_buckets,
+    Counter, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder, exponential_buckets,
 };
 
 use crate::memory::{PoolStats, Tier};
@@ -222,7 +222,10 @@ impl WorkerMetrics {
                 Tier::Disk => (stats.spilled_disk, stats.spilled_disk_total),
             };
             gauge(&self.spilled_now.with_label_values(&[tier.as_str()]), now);
-            advance(&self.spilled_bytes.with_label_values(&[tier.as_str()]), total);
+            advance(
+                &self.spilled_bytes.with_label_values(&[tier.as_str()]),
+                total,
+            );
         }
         advance(&self.spills, stats.spills);
         advance(&self.unspills, stats.unspills);

@@ -157,8 +157,7 @@ impl SpillDir {
             tracing::info!(root = %root.display(), removed, "removed spill files left by earlier workers");
         }
         std::fs::create_dir_all(&dir).map_err(|e| prepare(&dir, e))?;
-        std::fs::write(dir.join(MARKER), marker(&host, worker_id))
-            .map_err(|e| prepare(&dir, e))?;
+        std::fs::write(dir.join(MARKER), marker(&host, worker_id)).map_err(|e| prepare(&dir, e))?;
         Ok(SpillDir {
             dir,
             next: AtomicU64::new(0),
@@ -399,7 +398,10 @@ mod tests {
         let live = make("wrk-spill-live", Some(format!("{host} 1 {start} live\n")));
         // Another worker of this very process (a local cluster).
         let sibling = make("wrk-spill-sibling", Some(marker(&host, "sibling")));
-        let remote = make("wrk-spill-remote", Some("another-host 4294967 5 r\n".into()));
+        let remote = make(
+            "wrk-spill-remote",
+            Some("another-host 4294967 5 r\n".into()),
+        );
         let foreign = make("wrk-spill-foreign", None);
         std::fs::write(first.path().join("notes.txt"), b"keep").unwrap();
 
@@ -407,11 +409,7 @@ mod tests {
         // same number as this one, as in a restarted container, but another start).
         let first_path = first.path().to_path_buf();
         std::mem::forget(first);
-        std::fs::write(
-            first_path.join(MARKER),
-            format!("{host} {me} 1 w1\n"),
-        )
-        .unwrap();
+        std::fs::write(first_path.join(MARKER), format!("{host} {me} 1 w1\n")).unwrap();
         let again = SpillDir::open(root.path(), "w1").unwrap();
         assert_eq!(again.path(), first_path);
         assert!(!leftover_path.exists(), "this worker's leftover is gone");
