@@ -414,6 +414,18 @@ impl Job {
             .collect()
     }
 
+    /// [`Job::recount`], as the scheduler's queue entries of job `number`.
+    fn recount_ready(&mut self, number: u64) -> Vec<TaskRef> {
+        self.recount()
+            .into_iter()
+            .map(|(stage, index)| TaskRef {
+                job: number,
+                stage,
+                index,
+            })
+            .collect()
+    }
+
     /// Sets every task that is neither running nor done to waiting or ready from its inputs'
     /// state, returning the ready ones.
     fn recount(&mut self) -> Vec<(u32, u32)> {
@@ -718,13 +730,7 @@ impl State {
             shuffles: Vec::new(),
         };
         job.shuffles = shuffle::placements(&job.spec);
-        for (stage, index) in job.recount() {
-            self.ready.push_back(TaskRef {
-                job: number,
-                stage,
-                index,
-            });
-        }
+        self.ready.extend(job.recount_ready(number));
         job.publish();
         self.jobs.insert(number, job);
         self.job_ids.insert(id.clone(), number);
@@ -837,13 +843,7 @@ impl State {
             return;
         };
         if job.recover(&self.workers, number as usize) > 0 {
-            for (stage, index) in job.recount() {
-                self.ready.push_back(TaskRef {
-                    job: number,
-                    stage,
-                    index,
-                });
-            }
+            self.ready.extend(job.recount_ready(number));
             job.publish();
         }
     }
@@ -1167,13 +1167,7 @@ impl State {
         }
         if exchanges_complete {
             job.mappers_all_done(task.stage);
-            for (stage, index) in job.recount() {
-                self.ready.push_back(TaskRef {
-                    job: task.job,
-                    stage,
-                    index,
-                });
-            }
+            self.ready.extend(job.recount_ready(task.job));
         }
         let released = job.release_unneeded_inputs(task.stage, task.index);
         let mut out: Outgoing = Vec::new();
@@ -1272,13 +1266,7 @@ impl State {
             tracing::warn!(job = %job.id, stage = %stage_name, task = task.index, "retrying after: {}", failed.error);
             // Its inputs may be gone with a lost peer: recount puts it (and anything else
             // affected) back to waiting until they are recomputed.
-            for (stage, index) in job.recount() {
-                self.ready.push_back(TaskRef {
-                    job: task.job,
-                    stage,
-                    index,
-                });
-            }
+            self.ready.extend(job.recount_ready(task.job));
             job.publish();
             return self.dispatch();
         }
@@ -1511,13 +1499,7 @@ impl State {
                 touched = true;
             }
             if touched {
-                for (stage, index) in job.recount() {
-                    self.ready.push_back(TaskRef {
-                        job: number,
-                        stage,
-                        index,
-                    });
-                }
+                self.ready.extend(job.recount_ready(number));
                 job.publish();
             }
         }
@@ -2122,13 +2104,7 @@ mod tests {
                 outputs: output,
             },
         );
-        for (stage, index) in job.recount() {
-            state.ready.push_back(TaskRef {
-                job: number,
-                stage,
-                index,
-            });
-        }
+        state.ready.extend(job.recount_ready(number));
         let out = state.worker_lost("a", "test");
         let job = &state.jobs[&number];
         assert!(
