@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use common::*;
@@ -62,24 +62,12 @@ inputs = ["distance"]
 
     for round in 0..10u64 {
         let result = dir.path().join(format!("summary-{round}.parquet"));
-        let submit = Command::new(wrk())
-            .arg("submit")
-            .arg(&job)
-            .args(["--scheduler", &url, "--quiet", "--output"])
-            .arg(&result)
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run wrk submit");
+        let submit = spawn_submit(&url, &job, &result, &[]);
         // Six 120 ms reads on three single-slot workers take two waves: kill inside the job.
         std::thread::sleep(Duration::from_millis(40 + round * 25));
         let victim = (round % 3) as usize;
-        let mut killed = workers.remove(victim);
-        killed.kill().expect("SIGKILL a worker");
-        killed.wait().expect("reap the killed worker");
-        workers.insert(
-            victim,
-            start_worker(&url, &format!("w{victim}-{round}"), &worker_args),
-        );
+        let id = format!("w{victim}-{round}");
+        replace_worker(&mut workers, victim, &url, &id, &worker_args);
 
         let output = submit.wait_with_output().expect("wait for wrk submit");
         assert!(
@@ -93,12 +81,7 @@ inputs = ["distance"]
 
     // The kills landed inside jobs: work was rerun or recomputed, not merely restarted idle.
     let log = log.lock().unwrap();
-    let costly = log
-        .iter()
-        .filter(|l| {
-            l.contains("worker lost") && !l.contains(": 0 running tasks to rerun, 0 finished")
-        })
-        .count();
+    let costly = costly_losses(&log);
     assert!(
         costly >= 5,
         "only {costly} of 10 kills hit running work:\n{}",

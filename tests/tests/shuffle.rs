@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use arrow::array::{AsArray, RecordBatch};
@@ -148,18 +148,11 @@ fn shuffle_bytes_sent(url: &str) -> BTreeMap<String, f64> {
     sent
 }
 
+/// Submits an example's job file with that example's module.
 fn submit(url: &str, job: &Path, module: &str, args: &[String], result: &Path) -> Child {
-    Command::new(wrk())
-        .arg("submit")
-        .arg(job)
-        .args(["--scheduler", url, "--quiet", "--output"])
-        .arg(result)
-        .arg("--module")
-        .arg(guest(module))
-        .args(args)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run wrk submit")
+    let mut extra = vec!["--module".to_string(), guest(module).display().to_string()];
+    extra.extend_from_slice(args);
+    spawn_submit(url, job, result, &extra)
 }
 
 fn succeeded(child: Child, what: &str) {
@@ -323,36 +316,19 @@ inputs = [{{ stage = "final", pattern = "one-to-one" }}]
     let (url, mut workers, scheduler) = cluster(&mut processes, 4, "auto");
     for round in 0..6u64 {
         let result = dir.path().join(format!("fares-{round}.parquet"));
-        let submit = Command::new(wrk())
-            .arg("submit")
-            .arg(&job)
-            .args(["--scheduler", &url, "--quiet", "--output"])
-            .arg(&result)
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run wrk submit");
+        let submit = spawn_submit(&url, &job, &result, &[]);
         // The job takes about 0.6 s here (more on a loaded machine): kill inside it, before its
         // results are fetched (results lost after a job succeeded are not recomputed).
         std::thread::sleep(Duration::from_millis(100 + round * 70));
         let victim = (round % 4) as usize;
-        let mut killed = workers.remove(victim);
-        killed.kill().expect("SIGKILL a worker");
-        killed.wait().expect("reap the killed worker");
-        workers.insert(
-            victim,
-            start_worker(&url, &format!("w{victim}-{round}"), &["--slots", "1"]),
-        );
+        let id = format!("w{victim}-{round}");
+        replace_worker(&mut workers, victim, &url, &id, &["--slots", "1"]);
         succeeded(submit, &format!("round {round}"));
         assert_fares_per_driver(&read(&result), &expected);
     }
     processes.0.extend(workers);
     let log = scheduler.log.lock().unwrap();
-    let costly = log
-        .iter()
-        .filter(|l| {
-            l.contains("worker lost") && !l.contains(": 0 running tasks to rerun, 0 finished")
-        })
-        .count();
+    let costly = costly_losses(&log);
     assert!(
         costly >= 3,
         "only {costly} of 6 kills hit running work:\n{}",

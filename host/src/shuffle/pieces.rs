@@ -215,7 +215,7 @@ impl PieceStore {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use arrow::array::Int64Array;
     use arrow::record_batch::RecordBatch;
@@ -228,7 +228,8 @@ mod tests {
         )
     }
 
-    fn values(tables: &[Table]) -> Vec<i64> {
+    /// The first (int64) column of `tables`, one after the other.
+    pub(in crate::shuffle) fn values(tables: &[Table]) -> Vec<i64> {
         tables
             .iter()
             .flat_map(|t| {

@@ -149,26 +149,33 @@ impl TcpReceiver {
             self.metrics
                 .count_shuffle("received", "tcp", payload_len as usize);
             let error = match PushPieces::decode(header.as_slice()) {
-                Ok(header) => self.store(header, payload.freeze()).await.err(),
+                Ok(header) => store_frame(self.store.clone(), header, payload.freeze())
+                    .await
+                    .err(),
                 Err(e) => Some(format!("a shuffle frame header is not valid: {e}")),
             };
             write_ack(&mut stream, error.as_deref().unwrap_or("")).await?;
         }
     }
+}
 
-    async fn store(&self, header: PushPieces, payload: Bytes) -> Result<(), String> {
-        let store = self.store.clone();
-        tokio::task::spawn_blocking(move || {
-            let delivery = decode_delivery(header, payload)?;
-            delivery.store_in(&store).map_err(|e| e.to_string())
-        })
-        .await
-        .map_err(|e| format!("storing shuffle pieces: {e}"))?
-    }
+/// Decodes a received frame's pieces and stores them, off the async threads; the error is what
+/// the acknowledgement tells the sender (any transport's).
+pub(super) async fn store_frame(
+    store: Arc<PieceStore>,
+    header: PushPieces,
+    payload: Bytes,
+) -> Result<(), String> {
+    tokio::task::spawn_blocking(move || {
+        let delivery = decode_delivery(header, payload)?;
+        delivery.store_in(&store).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| format!("storing shuffle pieces: {e}"))?
 }
 
 /// The pieces of a frame, decoded.
-pub(super) fn decode_delivery(header: PushPieces, payload: Bytes) -> Result<Delivery, String> {
+fn decode_delivery(header: PushPieces, payload: Bytes) -> Result<Delivery, String> {
     let declared: u64 = header.pieces.iter().map(|p| p.bytes).sum();
     if declared != payload.len() as u64 {
         return Err(format!(
@@ -364,6 +371,7 @@ impl Transport for TcpSender {
 mod tests {
     use super::*;
     use crate::shuffle::pieces::PartitionRef;
+    use crate::shuffle::pieces::tests::values;
     use arrow::array::{Int64Array, StringArray};
 
     fn table(keys: &[i64], names: &[&str]) -> Table {
@@ -417,21 +425,6 @@ mod tests {
         }
     }
 
-    fn keys(tables: &[Table]) -> Vec<i64> {
-        tables
-            .iter()
-            .flat_map(|t| {
-                t.batch()
-                    .column(0)
-                    .as_any()
-                    .downcast_ref::<Int64Array>()
-                    .unwrap()
-                    .values()
-                    .to_vec()
-            })
-            .collect()
-    }
-
     #[tokio::test]
     async fn deliveries_arrive_intact_over_reused_connections() {
         let (store, peer) = receiver(Some(b"token")).await;
@@ -449,9 +442,9 @@ mod tests {
                 store.complete(&part(partition), mapper, 1).unwrap();
             }
         }
-        assert_eq!(keys(&store.pieces(&part(0), 4).unwrap()), [1, 2]);
+        assert_eq!(values(&store.pieces(&part(0), 4).unwrap()), [1, 2]);
         assert!(store.pieces(&part(1), 4).unwrap().is_empty());
-        assert_eq!(keys(&store.pieces(&part(2), 4).unwrap()), [5]);
+        assert_eq!(values(&store.pieces(&part(2), 4).unwrap()), [5]);
     }
 
     #[tokio::test]

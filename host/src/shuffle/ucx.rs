@@ -20,7 +20,7 @@ use wrk_proto::{PushAck, PushPieces, ShufflePeer};
 use wrk_ucx::{Incoming, Ucx, UcxConfig};
 
 use super::pieces::PieceStore;
-use super::tcp::{decode_delivery, encode_delivery};
+use super::tcp::{encode_delivery, store_frame};
 use super::transport::{Delivery, Transport, TransportError};
 use crate::metrics::WorkerMetrics;
 
@@ -107,14 +107,11 @@ async fn receive(
             }
             PUSH => {
                 metrics.count_shuffle("received", "ucx", message.payload.len());
-                let (store, address) = (store.clone(), address.to_vec());
-                let stored = tokio::task::spawn_blocking(move || {
-                    let delivery =
-                        split_payload(message.payload).and_then(|(h, p)| decode_delivery(h, p))?;
-                    delivery.store_in(&store).map_err(|e| e.to_string())
-                })
-                .await
-                .unwrap_or_else(|e| Err(format!("storing shuffle pieces: {e}")));
+                let address = address.to_vec();
+                let stored = match split_payload(message.payload) {
+                    Ok((header, payload)) => store_frame(store.clone(), header, payload).await,
+                    Err(e) => Err(e),
+                };
                 let ack = PushAck {
                     error: stored.err().unwrap_or_default(),
                 }

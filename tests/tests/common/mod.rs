@@ -263,6 +263,43 @@ pub fn start_worker(url: &str, id: &str, extra: &[&str]) -> std::process::Child 
         .expect("start wrk worker")
 }
 
+/// Starts `wrk submit job` against the scheduler at `url`, writing the result to `result`, with
+/// `extra` arguments; its stderr is piped for the failure message.
+pub fn spawn_submit(url: &str, job: &Path, result: &Path, extra: &[String]) -> std::process::Child {
+    Command::new(wrk())
+        .arg("submit")
+        .arg(job)
+        .args(["--scheduler", url, "--quiet", "--output"])
+        .arg(result)
+        .args(extra)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run wrk submit")
+}
+
+/// Kills `workers[victim]` with SIGKILL and starts `wrk worker` `id` with `args` in its place.
+pub fn replace_worker(
+    workers: &mut [std::process::Child],
+    victim: usize,
+    url: &str,
+    id: &str,
+    args: &[&str],
+) {
+    workers[victim].kill().expect("SIGKILL a worker");
+    workers[victim].wait().expect("reap the killed worker");
+    workers[victim] = start_worker(url, id, args);
+}
+
+/// Lines of a scheduler's log where losing a worker cost work (tasks to rerun or recompute),
+/// rather than an idle worker leaving.
+pub fn costly_losses(log: &[String]) -> usize {
+    log.iter()
+        .filter(|l| {
+            l.contains("worker lost") && !l.contains(": 0 running tasks to rerun, 0 finished")
+        })
+        .count()
+}
+
 /// A `wrk scheduler` process: its gRPC URL, its HTTP address and its log lines as they arrive.
 pub struct SchedulerProcess {
     pub url: String,
