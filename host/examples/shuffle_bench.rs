@@ -4,7 +4,7 @@
 //! same chunk sizes, and `ucx_perftest` (when installed) for UCX, in one run.
 //!
 //! ```text
-//! cargo run --release -p wrk-host --features ucx --example shuffle_bench -- [GIB] [PIECE_MIB]
+//! cargo run --release -p wrk-host --features ucx --example shuffle_bench -- [GIB] [PIECE_MIB] [tcp|ucx|all]
 //! ```
 //!
 //! The process re-runs itself as the receiving side (`receive tcp|ucx|raw`), which prints its
@@ -19,10 +19,12 @@ use arrow::array::{Float64Array, Int64Array};
 use arrow::record_batch::RecordBatch;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use wrk_host::memory::spill::SpillDir;
 use wrk_host::metrics::{WorkerMetrics, compile_cache_counter};
 use wrk_host::shuffle::pieces::PieceStore;
 use wrk_host::shuffle::tcp::{TcpReceiver, TcpSender};
 use wrk_host::shuffle::transport::{Delivery, Transport};
+use wrk_host::store::PartitionStore;
 use wrk_host::table::Table;
 use wrk_proto::ShufflePeer;
 
@@ -30,6 +32,8 @@ use wrk_proto::ShufflePeer;
 const IN_FLIGHT: usize = 4;
 /// Mappers the deliveries are spread over, so the receiver keeps at most this many pieces.
 const MAPPERS: usize = 16;
+/// Runs of each TCP path, alternated.
+const ROUNDS: usize = 3;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -37,8 +41,18 @@ fn metrics() -> WorkerMetrics {
     WorkerMetrics::new(compile_cache_counter())
 }
 
+/// A piece store over a partition store with a pool of `pool` bytes, spilling under `spill`.
+fn piece_store(pool: u64, spill: &std::path::Path) -> Result<Arc<PieceStore>> {
+    let spill = SpillDir::open(spill, "shuffle-bench")?;
+    Ok(Arc::new(PieceStore::new(Arc::new(PartitionStore::new(
+        pool, spill,
+    )))))
+}
+
 async fn receive(kind: &str) -> Result<()> {
-    let store = Arc::new(PieceStore::new());
+    let spill = tempfile::tempdir()?;
+    // Pieces of replaced attempts leave the pool at once: a few GiB is plenty.
+    let store = piece_store(4 << 30, spill.path())?;
     let mut out = std::io::stdout();
     let _ucx;
     match kind {
@@ -118,18 +132,24 @@ fn piece(bytes: usize) -> Table {
     )
 }
 
-/// Pushes `count` pieces through `transport`; returns the bytes on the wire and the seconds.
+/// Pushes `count` pieces through `transport` (as attempts from `round`'s on, each replacing the
+/// last one of its mapper); returns the bytes on the wire and the seconds.
 async fn push(
     transport: Arc<dyn Transport>,
     peer: ShufflePeer,
     table: Table,
     count: usize,
+    round: usize,
 ) -> Result<(u64, f64)> {
     let started = Instant::now();
     let mut in_flight = tokio::task::JoinSet::new();
     let mut bytes = 0u64;
     for i in 0..count {
-        if in_flight.len() >= IN_FLIGHT
+        if in_flight.len()
+            >= std::env::var("IN_FLIGHT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(IN_FLIGHT)
             && let Some(done) = in_flight.join_next().await
         {
             bytes += done??;
@@ -138,7 +158,7 @@ async fn push(
             job_id: "bench".into(),
             exchange: "bench".into(),
             mapper: (i % MAPPERS) as u32,
-            attempt: (i / MAPPERS) as u32 + 1,
+            attempt: ((round * count + i) / MAPPERS) as u32 + 1,
             pieces: vec![(0, table.clone())],
             complete: Vec::new(),
         };
@@ -209,12 +229,12 @@ fn ucx_perftest(size: usize, count: usize) -> Option<f64> {
     Some(mib_per_s * 1_048_576.0 / 1e9)
 }
 
-async fn bench(gib: f64, piece_mib: usize) -> Result<()> {
+async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
     let piece_bytes = piece_mib << 20;
     let count = ((gib * (1u64 << 30) as f64) / piece_bytes as f64).ceil() as usize;
     let table = piece(piece_bytes);
     println!(
-        "shuffle bench: {count} pieces of {piece_mib} MiB ({gib} GiB), {IN_FLIGHT} in flight, between two processes on 127.0.0.1"
+        "shuffle bench: {count} pieces of {piece_mib} MiB ({gib} GiB), {IN_FLIGHT} in flight, between two processes on 127.0.0.1, best of {ROUNDS}"
     );
     let (mut raw_child, raw_address) = spawn_receiver("raw")?;
     let (mut tcp_child, tcp_address) = spawn_receiver("tcp")?;
@@ -223,16 +243,16 @@ async fn bench(gib: f64, piece_mib: usize) -> Result<()> {
         tcp_address,
         ucx_address: Vec::new(),
     };
-    let (bytes, seconds) = push(
-        Arc::new(TcpSender::new(None)),
-        peer.clone(),
-        table.clone(),
-        count,
-    )
-    .await?;
-    let raw_seconds = raw(&raw_address, bytes, piece_bytes).await?;
-    let raw_rate = bytes as f64 / raw_seconds / 1e9;
-    let tcp_rate = bytes as f64 / seconds / 1e9;
+    // Alternated, best of each: a busy machine slows whichever runs at a bad moment.
+    let sender: Arc<dyn Transport> = Arc::new(TcpSender::new(None));
+    let (mut raw_rate, mut tcp_rate) = (0f64, 0f64);
+    for round in 0..ROUNDS {
+        let (bytes, seconds) =
+            push(sender.clone(), peer.clone(), table.clone(), count, round).await?;
+        let raw_seconds = raw(&raw_address, bytes, piece_bytes).await?;
+        raw_rate = raw_rate.max(bytes as f64 / raw_seconds / 1e9);
+        tcp_rate = tcp_rate.max(bytes as f64 / seconds / 1e9);
+    }
     println!("| path | GB/s | vs raw |");
     println!("|---|---:|---:|");
     println!("| raw loopback TCP (same bytes, {piece_mib} MiB writes) | {raw_rate:.2} | 1.00x |");
@@ -245,15 +265,16 @@ async fn bench(gib: f64, piece_mib: usize) -> Result<()> {
     raw_child.wait()?;
     tcp_child.wait()?;
     #[cfg(feature = "ucx")]
-    {
+    if only != "tcp" {
         let (mut ucx_child, address) = spawn_receiver("ucx")?;
-        let store = Arc::new(PieceStore::new());
+        let spill = tempfile::tempdir()?;
+        let store = piece_store(1 << 30, spill.path())?;
         let sender = wrk_host::shuffle::ucx::UcxTransport::start(store, metrics())?;
         let peer = ShufflePeer {
             ucx_address: hex::decode(address)?,
             ..peer
         };
-        let (bytes, seconds) = push(Arc::new(sender), peer, table, count).await?;
+        let (bytes, seconds) = push(Arc::new(sender), peer, table, count, 0).await?;
         let ucx_rate = bytes as f64 / seconds / 1e9;
         match ucx_perftest(piece_bytes, count) {
             Some(perftest) => {
@@ -281,5 +302,6 @@ async fn main() -> Result<()> {
     }
     let gib: f64 = args.first().map(|a| a.parse()).transpose()?.unwrap_or(2.0);
     let piece_mib: usize = args.get(1).map(|a| a.parse()).transpose()?.unwrap_or(4);
-    bench(gib, piece_mib).await
+    let only = args.get(2).map(String::as_str).unwrap_or("all");
+    bench(gib, piece_mib, only).await
 }

@@ -31,6 +31,7 @@ pub struct WorkerMetrics {
     pub pool_peak: IntGauge,
     pub pool_leased: IntGauge,
     pub spilled_partitions: IntGauge,
+    pub shuffle_pieces: IntGauge,
     pub spilled_now: IntGaugeVec,
     pub spills: IntCounter,
     pub unspills: IntCounter,
@@ -154,7 +155,10 @@ impl WorkerMetrics {
             running_tasks: gauge("running_tasks", "Tasks running now"),
             slots: gauge("slots", "Tasks the worker runs at once"),
             partitions: gauge("partitions", "Partitions held"),
-            partition_bytes: gauge("partition_bytes", "Bytes of partitions held in memory"),
+            partition_bytes: gauge(
+                "partition_bytes",
+                "Bytes of partitions and shuffle pieces held in memory",
+            ),
             pool_size: gauge("pool_size_bytes", "Configured size of the memory pool"),
             pool_used: gauge(
                 "pool_used_bytes",
@@ -170,7 +174,11 @@ impl WorkerMetrics {
             ),
             spilled_partitions: gauge(
                 "spilled_partitions",
-                "Partitions held outside the memory pool (spilled)",
+                "Partitions and shuffle pieces held outside the memory pool (spilled)",
+            ),
+            shuffle_pieces: gauge(
+                "shuffle_pieces",
+                "Shuffle pieces held for the reducers on this worker, in memory or spilled",
             ),
             spilled_now: gauge_vec(
                 "pool_spilled_bytes",

@@ -1,6 +1,6 @@
-//! The worker's partitions: task outputs keyed by job, stage, task and output, kept in the
-//! worker's memory pool until the scheduler releases them, spilled to disk under pressure and
-//! read back when a task or a peer needs them.
+//! The worker's partitions: task outputs keyed by job, stage, task and output, and the shuffle
+//! pieces received for reducers placed here, kept in the worker's memory pool until they are
+//! released, spilled to disk under pressure and read back when a task or a peer needs them.
 //!
 //! The store also admits work into the pool: running tasks register an account
 //! ([`PartitionStore::begin_task`]) and take leases for their working set; an admission that
@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use crate::memory::pool::{Account, Pool, PoolStats};
 use crate::memory::size::Bytes;
 use crate::memory::spill::{SpillDir, SpillError, SpillFile};
+use crate::shuffle::pieces::PieceId;
 use crate::table::Table;
 
 /// How long an admission waits for running tasks to give memory back before failing.
@@ -56,13 +57,41 @@ impl From<&wrk_proto::PartitionKey> for PartitionId {
     }
 }
 
+/// What the store keeps: a task's output, or a shuffle piece.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum StoredKey {
+    Output(PartitionId),
+    Piece(PieceId),
+}
+
+impl StoredKey {
+    fn job_id(&self) -> &str {
+        match self {
+            StoredKey::Output(id) => &id.job_id,
+            StoredKey::Piece(id) => &id.partition.job_id,
+        }
+    }
+}
+
+impl std::fmt::Display for StoredKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoredKey::Output(id) => write!(f, "partition {id}"),
+            StoredKey::Piece(id) => id.fmt(f),
+        }
+    }
+}
+
 /// Counts for heartbeats, metrics and status.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StoreStats {
+    /// Task outputs held, in memory or spilled.
     pub partitions: u64,
-    /// Partitions on disk, not in memory.
+    /// Shuffle pieces held, in memory or spilled.
+    pub pieces: u64,
+    /// Outputs and pieces on disk, not in memory.
     pub spilled_partitions: u64,
-    /// Bytes of the partitions in memory.
+    /// Bytes of the outputs and pieces in memory.
     pub bytes: u64,
     pub pool: PoolStats,
 }
@@ -122,7 +151,7 @@ impl Entry {
 
 #[derive(Default)]
 struct Inner {
-    entries: HashMap<PartitionId, Entry>,
+    entries: HashMap<StoredKey, Entry>,
     /// Accounts of the running tasks, by registration number.
     tasks: HashMap<u64, Arc<Account>>,
     next_task: u64,
@@ -190,6 +219,16 @@ impl PartitionStore {
     /// Keeps `table` as partition `id`, spilling older partitions (or this one) when the pool
     /// overflows.
     pub fn insert(&self, id: PartitionId, table: Table) {
+        self.insert_stored(StoredKey::Output(id), table);
+    }
+
+    /// Keeps a shuffle piece until [`PartitionStore::release_pieces`], like a partition: in the
+    /// pool, spilled under pressure.
+    pub fn insert_piece(&self, id: PieceId, table: Table) {
+        self.insert_stored(StoredKey::Piece(id), table);
+    }
+
+    fn insert_stored(&self, id: StoredKey, table: Table) {
         self.account.claim(table.batch());
         let bytes = table.memory_bytes() as u64;
         let mut inner = self.lock();
@@ -237,7 +276,7 @@ impl PartitionStore {
             }
             entry.table = None;
             self.pool.record_spill(entry.bytes, started.elapsed());
-            tracing::debug!(partition = %id, bytes = entry.bytes, "spilled partition to disk");
+            tracing::debug!(what = %id, bytes = entry.bytes, "spilled to disk");
         }
     }
 
@@ -246,6 +285,23 @@ impl PartitionStore {
     pub fn get(
         &self,
         id: &PartitionId,
+        task: Option<&TaskMemory>,
+    ) -> Result<Option<Table>, PoolError> {
+        self.get_stored(&StoredKey::Output(id.clone()), task)
+    }
+
+    /// A shuffle piece, as [`PartitionStore::get`] gives a partition.
+    pub fn get_piece(
+        &self,
+        id: &PieceId,
+        task: Option<&TaskMemory>,
+    ) -> Result<Option<Table>, PoolError> {
+        self.get_stored(&StoredKey::Piece(id.clone()), task)
+    }
+
+    fn get_stored(
+        &self,
+        id: &StoredKey,
         task: Option<&TaskMemory>,
     ) -> Result<Option<Table>, PoolError> {
         let mut inner = self.lock();
@@ -268,7 +324,7 @@ impl PartitionStore {
             return Ok(None);
         };
         // Make room for it first, as a task of the caller's would.
-        let what = format!("reading back partition {id}");
+        let what = format!("reading back {id}");
         let mut inner = self.admit(inner, bytes, task, &what)?;
         let started = Instant::now();
         let table = Table::new(file.read()?);
@@ -283,9 +339,9 @@ impl PartitionStore {
                 entry.bytes = table.memory_bytes() as u64;
             }
             // Released while it was read: the task still gets it.
-            None => tracing::debug!(partition = %id, "partition released while read back"),
+            None => tracing::debug!(what = %id, "released while read back"),
         }
-        tracing::debug!(partition = %id, bytes, "read partition back from disk");
+        tracing::debug!(what = %id, bytes, "read back from disk");
         Ok(Some(table))
     }
 
@@ -296,7 +352,7 @@ impl PartitionStore {
             let mut inner = self.lock();
             inner.clock += 1;
             let clock = inner.clock;
-            let entry = inner.entries.get_mut(id)?;
+            let entry = inner.entries.get_mut(&StoredKey::Output(id.clone()))?;
             entry.last_used = clock;
             (entry.table.clone(), entry.file.clone())
         };
@@ -307,20 +363,38 @@ impl PartitionStore {
         })
     }
 
-    /// Drops every partition of a job (and its spill files); returns how many there were.
+    /// Drops every partition and shuffle piece of a job (and their spill files); returns how
+    /// many there were.
     pub fn release_job(&self, job_id: &str) -> usize {
-        self.release_where(|id| id.job_id == job_id)
+        self.release_where(|id| id.job_id() == job_id)
     }
 
     /// Drops every output of one task; returns how many there were.
     pub fn release_task(&self, job_id: &str, stage: u32, task: u32) -> usize {
-        self.release_where(|id| id.job_id == job_id && id.stage == stage && id.task == task)
+        self.release_where(|id| {
+            matches!(id, StoredKey::Output(id)
+                if id.job_id == job_id && id.stage == stage && id.task == task)
+        })
     }
 
-    fn release_where(&self, matches: impl Fn(&PartitionId) -> bool) -> usize {
+    /// Drops the given shuffle pieces; returns how many the store had.
+    pub fn release_pieces<'a>(&self, ids: impl IntoIterator<Item = &'a PieceId>) -> usize {
         let removed: Vec<Entry> = {
             let mut inner = self.lock();
-            let ids: Vec<PartitionId> = inner
+            ids.into_iter()
+                .filter_map(|id| inner.entries.remove(&StoredKey::Piece(id.clone())))
+                .collect()
+        };
+        let count = removed.len();
+        drop(removed);
+        self.changed.notify_all();
+        count
+    }
+
+    fn release_where(&self, matches: impl Fn(&StoredKey) -> bool) -> usize {
+        let removed: Vec<Entry> = {
+            let mut inner = self.lock();
+            let ids: Vec<StoredKey> = inner
                 .entries
                 .keys()
                 .filter(|id| matches(id))
@@ -340,7 +414,11 @@ impl PartitionStore {
     pub fn stats(&self) -> StoreStats {
         let inner = self.lock();
         let (mut resident, mut spilled, mut spilled_bytes) = (0u64, 0u64, 0u64);
-        for entry in inner.entries.values() {
+        let mut pieces = 0;
+        for (key, entry) in &inner.entries {
+            if matches!(key, StoredKey::Piece(_)) {
+                pieces += 1;
+            }
             if entry.table.is_some() {
                 resident += entry.bytes;
             } else {
@@ -351,7 +429,8 @@ impl PartitionStore {
         let leased = inner.tasks.values().map(|a| a.leased()).sum();
         let used = self.used(&inner);
         StoreStats {
-            partitions: inner.entries.len() as u64,
+            partitions: inner.entries.len() as u64 - pieces,
+            pieces,
             spilled_partitions: spilled,
             bytes: resident,
             pool: self.pool.stats(used, resident, leased, [0, spilled_bytes]),

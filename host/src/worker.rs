@@ -212,7 +212,7 @@ pub async fn run(
         })?
         .port();
     let secret = config.token.as_ref().map(|t| t.as_bytes().to_vec());
-    let pieces = Arc::new(PieceStore::new());
+    let pieces = Arc::new(PieceStore::new(store.clone()));
     let shuffle_server = tokio::spawn(
         Arc::new(TcpReceiver {
             store: pieces.clone(),
@@ -399,6 +399,7 @@ async fn serve_metrics(
                     metrics
                         .spilled_partitions
                         .set(stats.spilled_partitions as i64);
+                    metrics.shuffle_pieces.set(stats.pieces as i64);
                     metrics.observe_pool(&stats.pool);
                     (
                         [(

@@ -7,6 +7,7 @@ use super::bindings::wrk::task::shuffle::Host;
 use super::wit::{Error, ErrorCode};
 use super::{TaskState, error};
 use crate::cpu::partition;
+use crate::shuffle::pieces::PieceError;
 use crate::shuffle::{ShuffleError, TaskShuffle};
 use crate::table::Table;
 
@@ -16,7 +17,8 @@ fn shuffle_error(e: ShuffleError) -> Error {
         | ShuffleError::NotReceiving { .. }
         | ShuffleError::PartitionCount { .. } => ErrorCode::InvalidArgument,
         ShuffleError::Pieces { .. } => ErrorCode::TypeMismatch,
-        ShuffleError::Transport(_) | ShuffleError::Incomplete(_) => ErrorCode::Io,
+        ShuffleError::Piece(PieceError::Pool(_)) => ErrorCode::ResourceExhausted,
+        ShuffleError::Transport(_) | ShuffleError::Piece(_) => ErrorCode::Io,
     };
     error(code, e.to_string())
 }
@@ -102,7 +104,7 @@ impl Host for TaskState {
     fn receive(&mut self, exchange: String) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         let received = self
             .shuffle()
-            .and_then(|s| s.receive(&exchange).map_err(shuffle_error));
+            .and_then(|s| s.receive(&exchange, &self.memory).map_err(shuffle_error));
         match received {
             Ok(table) => Ok(Ok(self.table.push(table)?)),
             Err(e) => Ok(Err(e)),

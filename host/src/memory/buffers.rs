@@ -11,7 +11,9 @@
 //! releases them first under pressure ([`BufferPool::trim`]).
 //!
 //! What goes through it: the output columns of the fused expression evaluator
-//! (`cpu/fused.rs`), the hot producer of `with_column`, `evaluate` and filter predicates.
+//! (`cpu/fused.rs`), the hot producer of `with_column`, `evaluate` and filter predicates, and
+//! the frames the shuffle receives over TCP (`shuffle/tcp.rs`, read straight into a block
+//! through [`bytes::BufMut`]; the pieces decoded from a frame keep using it).
 
 use std::alloc::Layout;
 use std::marker::PhantomData;
@@ -305,6 +307,50 @@ impl<T: ArrowNativeType> PooledVec<T> {
     }
 }
 
+// SAFETY: `chunk_mut` is the block's unwritten tail, exactly `remaining_mut` bytes long, and
+// `advance_mut` only counts bytes the caller wrote there. A plain vector defers to `Vec`'s own
+// implementation (which grows).
+unsafe impl bytes::BufMut for PooledVec<u8> {
+    fn remaining_mut(&self) -> usize {
+        match &self.storage {
+            Storage::Plain(v) => v.remaining_mut(),
+            Storage::Pooled { len, capacity, .. } => capacity - len,
+        }
+    }
+
+    unsafe fn advance_mut(&mut self, count: usize) {
+        match &mut self.storage {
+            // SAFETY: passed on from the caller.
+            Storage::Plain(v) => unsafe { v.advance_mut(count) },
+            Storage::Pooled { len, capacity, .. } => {
+                assert!(*len + count <= *capacity, "advanced past the block");
+                *len += count;
+            }
+        }
+    }
+
+    fn chunk_mut(&mut self) -> &mut bytes::buf::UninitSlice {
+        match &mut self.storage {
+            Storage::Plain(v) => v.chunk_mut(),
+            Storage::Pooled {
+                block,
+                len,
+                capacity,
+                ..
+            } => {
+                // SAFETY: the block is `capacity` bytes this vector alone owns; the range from
+                // `len` is inside it.
+                unsafe {
+                    bytes::buf::UninitSlice::from_raw_parts_mut(
+                        block.ptr.as_ptr().add(*len),
+                        *capacity - *len,
+                    )
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -374,5 +420,34 @@ mod tests {
         plain.extend_from_slice(&[1; 3]);
         drop(plain.into_scalar_buffer());
         assert_eq!(off.stats(), BufferStats::default());
+    }
+
+    #[test]
+    fn bytes_read_into_a_block_come_back_as_a_buffer_and_the_block_is_reused() {
+        use bytes::BufMut;
+        let pool = Arc::new(BufferPool::with_limit(64 << 20));
+        let frame: Vec<u8> = (0..195_000u32).map(|i| (i % 251) as u8).collect();
+        let read = |frame: &[u8]| {
+            let mut into = PooledVec::<u8>::with_capacity(&pool, frame.len());
+            assert!(into.remaining_mut() >= frame.len());
+            // As a socket read would: in chunks.
+            for chunk in frame.chunks(65_536) {
+                into.put_slice(chunk);
+            }
+            assert_eq!(into.len(), frame.len());
+            into.into_scalar_buffer().into_inner()
+        };
+        let buffer = read(&frame);
+        assert_eq!(buffer.as_slice(), frame.as_slice());
+        drop(buffer);
+        // A smaller frame of the same size class takes the same block.
+        let again = read(&frame[..170_000]);
+        assert_eq!(again.as_slice(), &frame[..170_000]);
+        let stats = pool.stats();
+        assert_eq!((stats.allocated, stats.reused), (1, 1), "{stats:?}");
+        // Small frames are plain vectors, and grow as a `Vec` would.
+        let mut small = PooledVec::<u8>::with_capacity(&pool, 10);
+        small.put_slice(&frame[..1000]);
+        assert_eq!(small.into_scalar_buffer().as_ref(), &frame[..1000]);
     }
 }

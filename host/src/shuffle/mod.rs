@@ -25,6 +25,7 @@ use tokio::task::JoinHandle;
 use wrk_proto::{ExchangeSource, ExchangeTargets, ShufflePeer};
 
 use crate::metrics::WorkerMetrics;
+use crate::store::TaskMemory;
 use crate::table::Table;
 use pieces::{PartitionRef, PieceError, PieceStore};
 use transport::{Delivery, InProcess, Transport, TransportError};
@@ -49,17 +50,18 @@ pub enum ShuffleError {
     #[error(transparent)]
     Transport(#[from] TransportError),
     #[error(transparent)]
-    Incomplete(#[from] PieceError),
+    Piece(#[from] PieceError),
 }
 
 impl ShuffleError {
     /// Whether another attempt of the task may succeed: pieces that did not arrive or a peer
     /// that could not be reached (a lost worker), as opposed to the task's own mistakes.
     pub fn is_retriable(&self) -> bool {
-        matches!(
-            self,
-            ShuffleError::Transport(_) | ShuffleError::Incomplete(_)
-        )
+        match self {
+            ShuffleError::Transport(_) => true,
+            ShuffleError::Piece(e) => e.is_retriable(),
+            _ => false,
+        }
     }
 }
 
@@ -454,8 +456,9 @@ impl TaskShuffle {
         Ok(())
     }
 
-    /// This reducer's partition of `exchange`, every mapper's pieces concatenated.
-    pub fn receive(&self, exchange: &str) -> Result<Table, ShuffleError> {
+    /// This reducer's partition of `exchange`, every mapper's pieces concatenated (read back
+    /// from disk where they spilled), counted in `memory`, the task's working set.
+    pub fn receive(&self, exchange: &str, memory: &TaskMemory) -> Result<Table, ShuffleError> {
         if let Some(table) = self.state().received.get(exchange) {
             return Ok(table.clone());
         }
@@ -464,7 +467,7 @@ impl TaskShuffle {
         let pieces = self
             .service
             .store
-            .pieces(&partition, mappers)
+            .pieces(&partition, mappers, Some(memory))
             .map_err(|e| self.noted(e.into()))?;
         let pieces_err = |detail: String| ShuffleError::Pieces {
             exchange: exchange.to_string(),
@@ -493,6 +496,9 @@ impl TaskShuffle {
                     .map_err(|e| pieces_err(e.to_string()))?,
             )
         };
+        memory
+            .track(table.batch())
+            .map_err(|e| self.noted(PieceError::from(e).into()))?;
         self.state()
             .received
             .insert(exchange.to_string(), table.clone());

@@ -5,16 +5,23 @@
 //! answers with HMAC-SHA256(worker token, nonce) (zeros in a cluster without a token). Then
 //! each frame is `u32` header length, a `PushPieces` header (protobuf), `u64` payload length and
 //! the payload (the pieces' Arrow IPC streams back to back); the receiver answers every frame
-//! with a length-prefixed `PushAck`. Pieces are decoded without copying out of the received
-//! buffer.
+//! with a length-prefixed `PushAck`.
+//!
+//! Neither side copies the data: the sender writes the IPC messages' headers and the tables'
+//! own Arrow buffers to the socket with vectored writes, and the receiver reads the payload into
+//! one block of the worker's reusable buffers (already resident, no page faults) and decodes
+//! the pieces in place.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use std::io::IoSlice;
+
 use arrow::buffer::Buffer;
 use arrow::ipc::reader::StreamDecoder;
+use arrow::ipc::writer::StreamEncoder;
 use arrow::record_batch::RecordBatch;
-use bytes::{Bytes, BytesMut};
+use bytes::BufMut;
 use futures::future::BoxFuture;
 use hmac::{KeyInit, Mac};
 use prost::Message;
@@ -24,14 +31,17 @@ use wrk_proto::{PieceMeta, PushAck, PushPieces, ShufflePeer};
 
 use super::pieces::PieceStore;
 use super::transport::{Delivery, Transport, TransportError};
+use crate::memory::buffers::{self, PooledVec};
 use crate::metrics::WorkerMetrics;
-use crate::table::{Table, encode_ipc};
+use crate::table::Table;
 
 const NONCE_BYTES: usize = 32;
 /// Headers name pieces and partitions, never data: anything larger is not a sender of ours.
 const MAX_HEADER_BYTES: u32 = 64 << 20;
 /// Idle connections kept per peer.
 const IDLE_PER_PEER: usize = 8;
+/// Slices handed to one vectored write (Linux's `IOV_MAX`).
+const MAX_SLICES: usize = 1024;
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
@@ -55,9 +65,17 @@ fn proof_is_valid(secret: &[u8], nonce: &[u8], answer: &[u8]) -> bool {
     mac.verify_slice(answer).is_ok()
 }
 
-/// Decodes one Arrow IPC stream whose buffers stay in `bytes` (no copy when aligned).
-pub fn decode_piece(bytes: Bytes) -> Result<RecordBatch, arrow::error::ArrowError> {
-    let mut buffer = Buffer::from(bytes);
+/// One table as an Arrow IPC stream, made of the table's own buffers (not copied) between the
+/// messages' headers.
+pub fn encode_piece(batch: &RecordBatch) -> Result<Vec<Buffer>, arrow::error::ArrowError> {
+    let mut encoder = StreamEncoder::try_new(&batch.schema())?;
+    let mut segments = encoder.encode(batch)?;
+    segments.extend(encoder.finish()?);
+    Ok(segments)
+}
+
+/// Decodes one Arrow IPC stream whose buffers stay in `buffer` (no copy when aligned).
+pub fn decode_piece(mut buffer: Buffer) -> Result<RecordBatch, arrow::error::ArrowError> {
     let mut decoder = StreamDecoder::new();
     let mut batches = Vec::new();
     let mut schema = None;
@@ -140,18 +158,11 @@ impl TcpReceiver {
             let mut header = vec![0u8; header_len as usize];
             stream.read_exact(&mut header).await?;
             let payload_len = stream.read_u64().await?;
-            let mut payload = BytesMut::with_capacity(payload_len as usize);
-            while (payload.len() as u64) < payload_len {
-                if stream.read_buf(&mut payload).await? == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-            }
+            let payload = read_payload(&mut stream, payload_len).await?;
             self.metrics
                 .count_shuffle("received", "tcp", payload_len as usize);
             let error = match PushPieces::decode(header.as_slice()) {
-                Ok(header) => store_frame(self.store.clone(), header, payload.freeze())
-                    .await
-                    .err(),
+                Ok(header) => store_frame(self.store.clone(), header, payload).await.err(),
                 Err(e) => Some(format!("a shuffle frame header is not valid: {e}")),
             };
             write_ack(&mut stream, error.as_deref().unwrap_or("")).await?;
@@ -159,12 +170,27 @@ impl TcpReceiver {
     }
 }
 
+/// Reads `length` bytes into one reusable block (a fresh allocation would fault in every page).
+async fn read_payload(stream: &mut TcpStream, length: u64) -> std::io::Result<Buffer> {
+    let length = usize::try_from(length)
+        .map_err(|_| std::io::Error::other("a shuffle frame larger than this machine's memory"))?;
+    let mut payload = PooledVec::<u8>::with_capacity(buffers::global(), length);
+    while payload.len() < length {
+        let missing = length - payload.len();
+        let mut rest = (&mut payload).limit(missing);
+        if stream.read_buf(&mut rest).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(payload.into_scalar_buffer().into_inner())
+}
+
 /// Decodes a received frame's pieces and stores them, off the async threads; the error is what
 /// the acknowledgement tells the sender (any transport's).
 pub(super) async fn store_frame(
     store: Arc<PieceStore>,
     header: PushPieces,
-    payload: Bytes,
+    payload: Buffer,
 ) -> Result<(), String> {
     tokio::task::spawn_blocking(move || {
         let delivery = decode_delivery(header, payload)?;
@@ -175,7 +201,7 @@ pub(super) async fn store_frame(
 }
 
 /// The pieces of a frame, decoded.
-fn decode_delivery(header: PushPieces, payload: Bytes) -> Result<Delivery, String> {
+fn decode_delivery(header: PushPieces, payload: Buffer) -> Result<Delivery, String> {
     let declared: u64 = header.pieces.iter().map(|p| p.bytes).sum();
     if declared != payload.len() as u64 {
         return Err(format!(
@@ -186,7 +212,7 @@ fn decode_delivery(header: PushPieces, payload: Bytes) -> Result<Delivery, Strin
     let mut offset = 0usize;
     let mut pieces = Vec::with_capacity(header.pieces.len());
     for meta in &header.pieces {
-        let bytes = payload.slice(offset..offset + meta.bytes as usize);
+        let bytes = payload.slice_with_length(offset, meta.bytes as usize);
         offset += meta.bytes as usize;
         let batch = decode_piece(bytes).map_err(|e| {
             format!(
@@ -293,20 +319,33 @@ impl TcpSender {
     }
 }
 
-/// Encodes a delivery as a frame header and its payload.
-pub fn encode_delivery(delivery: &Delivery) -> Result<(Vec<u8>, Vec<Bytes>), String> {
+/// A delivery ready for the wire: the frame header (protobuf) and the payload as the segments
+/// of the pieces' IPC streams, in order.
+pub struct EncodedDelivery {
+    pub header: Vec<u8>,
+    pub payload: Vec<Buffer>,
+}
+
+impl EncodedDelivery {
+    pub fn payload_len(&self) -> u64 {
+        self.payload.iter().map(|b| b.len() as u64).sum()
+    }
+}
+
+/// Encodes a delivery as a frame header and its payload, without copying the tables' data.
+pub fn encode_delivery(delivery: &Delivery) -> Result<EncodedDelivery, String> {
     let mut metas = Vec::with_capacity(delivery.pieces.len());
-    let mut payload = Vec::with_capacity(delivery.pieces.len());
+    let mut payload = Vec::with_capacity(delivery.pieces.len() * 8);
     for (partition, table) in &delivery.pieces {
-        let bytes = encode_ipc(table.batch()).map_err(|e| {
+        let segments = encode_piece(table.batch()).map_err(|e| {
             format!("encoding the piece of partition {partition} as Arrow IPC: {e}")
         })?;
         metas.push(PieceMeta {
             partition: *partition,
-            bytes: bytes.len() as u64,
+            bytes: segments.iter().map(|b| b.len() as u64).sum(),
             rows: table.num_rows() as u64,
         });
-        payload.push(Bytes::from(bytes));
+        payload.extend(segments);
     }
     let header = PushPieces {
         job_id: delivery.job_id.clone(),
@@ -317,7 +356,26 @@ pub fn encode_delivery(delivery: &Delivery) -> Result<(Vec<u8>, Vec<Bytes>), Str
         complete: delivery.complete.clone(),
     }
     .encode_to_vec();
-    Ok((header, payload))
+    Ok(EncodedDelivery { header, payload })
+}
+
+/// Writes every slice, as few system calls as the socket takes.
+async fn write_all_vectored(stream: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
+    let mut slices: Vec<IoSlice<'_>> = parts
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| IoSlice::new(p))
+        .collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let count = rest.len().min(MAX_SLICES);
+        let written = stream.write_vectored(&rest[..count]).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut rest, written);
+    }
+    Ok(())
 }
 
 impl Transport for TcpSender {
@@ -336,21 +394,20 @@ impl Transport for TcpSender {
                 transport: "tcp",
                 detail,
             };
-            let (header, payload) = tokio::task::spawn_blocking(move || encode_delivery(&delivery))
+            // Sliced or dictionary columns make the encoder do real work: off the async threads.
+            let encoded = tokio::task::spawn_blocking(move || encode_delivery(&delivery))
                 .await
                 .map_err(|e| send_err(e.to_string()))?
                 .map_err(send_err)?;
-            let payload_len: u64 = payload.iter().map(|b| b.len() as u64).sum();
+            let payload_len = encoded.payload_len();
             let mut stream = self.connection(peer).await?;
-            let mut head = Vec::with_capacity(12 + header.len());
-            head.extend_from_slice(&(header.len() as u32).to_be_bytes());
-            head.extend_from_slice(&header);
-            head.extend_from_slice(&payload_len.to_be_bytes());
+            let header_len = (encoded.header.len() as u32).to_be_bytes();
+            let payload_len_bytes = payload_len.to_be_bytes();
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(3 + encoded.payload.len());
+            parts.extend([&header_len[..], &encoded.header, &payload_len_bytes]);
+            parts.extend(encoded.payload.iter().map(|b| b.as_slice()));
             let written = async {
-                stream.write_all(&head).await?;
-                for piece in &payload {
-                    stream.write_all(piece).await?;
-                }
+                write_all_vectored(&mut stream, &parts).await?;
                 read_ack(&mut stream).await
             }
             .await
@@ -371,7 +428,7 @@ impl Transport for TcpSender {
 mod tests {
     use super::*;
     use crate::shuffle::pieces::PartitionRef;
-    use crate::shuffle::pieces::tests::values;
+    use crate::shuffle::pieces::tests::{piece_store, values};
     use arrow::array::{Int64Array, StringArray};
 
     fn table(keys: &[i64], names: &[&str]) -> Table {
@@ -384,8 +441,9 @@ mod tests {
         )
     }
 
-    async fn receiver(secret: Option<&[u8]>) -> (Arc<PieceStore>, ShufflePeer) {
-        let store = Arc::new(PieceStore::new());
+    async fn receiver(secret: Option<&[u8]>) -> (Arc<PieceStore>, ShufflePeer, tempfile::TempDir) {
+        let (store, dir) = piece_store(1 << 30);
+        let store = Arc::new(store);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let receiver = Arc::new(TcpReceiver {
@@ -399,7 +457,7 @@ mod tests {
             tcp_address: address,
             ucx_address: Vec::new(),
         };
-        (store, peer)
+        (store, peer, dir)
     }
 
     fn delivery(attempt: u32) -> Delivery {
@@ -427,7 +485,7 @@ mod tests {
 
     #[tokio::test]
     async fn deliveries_arrive_intact_over_reused_connections() {
-        let (store, peer) = receiver(Some(b"token")).await;
+        let (store, peer, _dir) = receiver(Some(b"token")).await;
         let sender = TcpSender::new(Some(b"token".to_vec()));
         assert!(sender.deliver(&peer, delivery(1)).await.unwrap() > 0);
         // The second delivery reuses the connection; the newer attempt replaces the first.
@@ -442,14 +500,14 @@ mod tests {
                 store.complete(&part(partition), mapper, 1).unwrap();
             }
         }
-        assert_eq!(values(&store.pieces(&part(0), 4).unwrap()), [1, 2]);
-        assert!(store.pieces(&part(1), 4).unwrap().is_empty());
-        assert_eq!(values(&store.pieces(&part(2), 4).unwrap()), [5]);
+        assert_eq!(values(&store.pieces(&part(0), 4, None).unwrap()), [1, 2]);
+        assert!(store.pieces(&part(1), 4, None).unwrap().is_empty());
+        assert_eq!(values(&store.pieces(&part(2), 4, None).unwrap()), [5]);
     }
 
     #[tokio::test]
     async fn a_sender_without_the_token_is_refused() {
-        let (store, peer) = receiver(Some(b"token")).await;
+        let (store, peer, _dir) = receiver(Some(b"token")).await;
         let sender = TcpSender::new(Some(b"guess".to_vec()));
         let err = sender.deliver(&peer, delivery(1)).await.unwrap_err();
         assert!(
@@ -484,18 +542,47 @@ mod tests {
     }
 
     #[test]
+    fn pieces_go_out_as_the_tables_own_buffers_and_decode_back_equal() {
+        let piece = table(&(0..10_000).collect::<Vec<i64>>(), &vec!["x"; 10_000]);
+        let segments = encode_piece(piece.batch()).unwrap();
+        let keys = piece.batch().column(0).to_data().buffers()[0].clone();
+        assert!(
+            segments.iter().any(|s| s.as_ptr() == keys.as_ptr()),
+            "the key column's buffer is sent as it is, not copied"
+        );
+        let stream: Vec<u8> = segments
+            .iter()
+            .flat_map(|s| s.as_slice().to_vec())
+            .collect();
+        assert_eq!(&decode_piece(Buffer::from(stream)).unwrap(), piece.batch());
+        // A sliced table goes out as just its rows.
+        let sliced = piece.batch().slice(9_990, 10);
+        let stream: Vec<u8> = encode_piece(&sliced)
+            .unwrap()
+            .iter()
+            .flat_map(|s| s.as_slice().to_vec())
+            .collect();
+        assert!(stream.len() < 2_000, "{} bytes for 10 rows", stream.len());
+        assert_eq!(decode_piece(Buffer::from(stream)).unwrap(), sliced);
+    }
+
+    #[test]
     fn a_truncated_frame_is_refused_with_the_piece_named() {
-        let (header, payload) = encode_delivery(&delivery(1)).unwrap();
-        let header = PushPieces::decode(header.as_slice()).unwrap();
-        let mut bytes: Vec<u8> = payload.iter().flat_map(|b| b.to_vec()).collect();
-        let err = decode_delivery(header.clone(), Bytes::from(bytes[..10].to_vec())).unwrap_err();
+        let encoded = encode_delivery(&delivery(1)).unwrap();
+        let header = PushPieces::decode(encoded.header.as_slice()).unwrap();
+        let mut bytes: Vec<u8> = encoded
+            .payload
+            .iter()
+            .flat_map(|b| b.as_slice().to_vec())
+            .collect();
+        let err = decode_delivery(header.clone(), Buffer::from(bytes[..10].to_vec())).unwrap_err();
         assert!(err.contains("declares"), "{err}");
         // Corrupt the first piece's body, keep the length.
         let first = header.pieces[0].bytes as usize;
         for b in &mut bytes[8..first] {
             *b = 0xff;
         }
-        let err = decode_delivery(header, Bytes::from(bytes)).unwrap_err();
+        let err = decode_delivery(header, Buffer::from(bytes)).unwrap_err();
         assert!(
             err.contains("partition 0 from mapper 3 of exchange `by-key`"),
             "{err}"

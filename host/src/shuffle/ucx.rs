@@ -4,7 +4,8 @@
 //!
 //! A message's UCX header is a kind byte (push or acknowledgement), a request id and, for a
 //! push, the sender's UCX address (for the acknowledgement); its payload is a `u32` header
-//! length, the `PushPieces` header and the pieces' IPC streams (the TCP frame's contents).
+//! length, the `PushPieces` header and the pieces' IPC streams (the TCP frame's contents),
+//! handed to UCX as an I/O vector over the tables' own buffers.
 //! Any UCX failure is returned to the caller, which falls back to TCP for that peer.
 
 use std::collections::HashMap;
@@ -12,7 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use arrow::buffer::Buffer;
+use bytes::Bytes;
 use futures::future::BoxFuture;
 use prost::Message as _;
 use tokio::sync::{Mutex, oneshot};
@@ -109,7 +111,9 @@ async fn receive(
                 metrics.count_shuffle("received", "ucx", message.payload.len());
                 let address = address.to_vec();
                 let stored = match split_payload(message.payload) {
-                    Ok((header, payload)) => store_frame(store.clone(), header, payload).await,
+                    Ok((header, payload)) => {
+                        store_frame(store.clone(), header, Buffer::from(payload)).await
+                    }
                     Err(e) => Err(e),
                 };
                 let ack = PushAck {
@@ -157,30 +161,27 @@ impl Transport for UcxTransport {
                 transport: "ucx",
                 detail,
             };
-            let payload = tokio::task::spawn_blocking(move || {
-                let (header, pieces) = encode_delivery(&delivery)?;
-                let length: usize = pieces.iter().map(Bytes::len).sum();
-                let mut payload = BytesMut::with_capacity(4 + header.len() + length);
-                payload.extend_from_slice(&(header.len() as u32).to_be_bytes());
-                payload.extend_from_slice(&header);
-                for piece in &pieces {
-                    payload.extend_from_slice(piece);
-                }
-                Ok::<_, String>((payload.freeze(), length as u64))
-            })
-            .await
-            .map_err(|e| send_err(e.to_string()))?
-            .map_err(send_err)?;
-            let (payload, piece_bytes) = payload;
+            let encoded = tokio::task::spawn_blocking(move || encode_delivery(&delivery))
+                .await
+                .map_err(|e| send_err(e.to_string()))?
+                .map_err(send_err)?;
+            let piece_bytes = encoded.payload_len();
+            // The frame's header, then the tables' own buffers: UCX gathers them, no copy.
+            let mut head = Vec::with_capacity(4 + encoded.header.len());
+            head.extend_from_slice(&(encoded.header.len() as u32).to_be_bytes());
+            head.extend_from_slice(&encoded.header);
+            let mut segments = Vec::with_capacity(1 + encoded.payload.len());
+            segments.push(Bytes::from(head));
+            segments.extend(encoded.payload.into_iter().map(Bytes::from_owner));
             let request = self.next_request.fetch_add(1, Ordering::Relaxed);
             let (answer, acknowledged) = oneshot::channel();
             self.waiting.lock().await.insert(request, answer);
             let sent = self
                 .ucx
-                .send(
+                .send_segments(
                     &peer.ucx_address,
                     header(PUSH, request, self.ucx.address()),
-                    payload,
+                    segments,
                 )
                 .await;
             if let Err(e) = sent {

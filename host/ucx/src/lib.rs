@@ -152,11 +152,23 @@ impl Ucx {
     /// UCX is done with them. A send that fails or times out may still have been delivered:
     /// a caller that retries over another transport must tolerate duplicates.
     pub async fn send(&self, peer: &[u8], header: Vec<u8>, payload: Bytes) -> Result<(), UcxError> {
+        self.send_segments(peer, header, vec![payload]).await
+    }
+
+    /// Sends one message whose payload is `segments` back to back, without copying them
+    /// together (UCX reads them as an I/O vector); the peer receives one contiguous payload.
+    /// Otherwise as [`Ucx::send`].
+    pub async fn send_segments(
+        &self,
+        peer: &[u8],
+        header: Vec<u8>,
+        segments: Vec<Bytes>,
+    ) -> Result<(), UcxError> {
         let (reply, result) = oneshot::channel();
         self.shared.command(Command::Send {
             peer: peer.to_vec(),
             header,
-            payload,
+            payload: segments,
             reply,
         })?;
         result.await.unwrap_or(Err(UcxError::Closed))

@@ -52,7 +52,8 @@ pub(crate) enum Command {
     Send {
         peer: Vec<u8>,
         header: Vec<u8>,
-        payload: Bytes,
+        /// The payload, as segments sent back to back (an I/O vector when there are several).
+        payload: Vec<Bytes>,
         reply: oneshot::Sender<SendResult>,
     },
     Shutdown {
@@ -240,7 +241,9 @@ struct Endpoint {
 /// Buffers that UCX reads from until the send completes.
 struct SendBuffers {
     _header: Vec<u8>,
-    _payload: Bytes,
+    _payload: Vec<Bytes>,
+    /// The I/O vector over the payload's segments, when it has several.
+    _iov: Vec<sys::ucp_dt_iov_t>,
 }
 
 enum Pending {
@@ -523,7 +526,7 @@ impl Progress {
         &mut self,
         peer: Vec<u8>,
         header: Vec<u8>,
-        payload: Bytes,
+        payload: Vec<Bytes>,
         reply: oneshot::Sender<SendResult>,
     ) {
         if header.len() > self.max_header {
@@ -556,17 +559,38 @@ impl Progress {
             ..Default::default()
         };
         param.cb.send = Some(on_send_done);
-        // SAFETY: the endpoint belongs to this worker and thread; `wire` and `payload` are kept
-        // alive (in `Pending::Send`) until UCX reports completion, or are no longer needed when
-        // the call completes at once.
+        let bytes: usize = payload.iter().map(Bytes::len).sum();
+        // One segment goes as it is; several as an I/O vector, so none is copied together.
+        let iov: Vec<sys::ucp_dt_iov_t> = if payload.len() > 1 {
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
+            param.datatype = sys::ucp_datatype_t::from(sys::UCP_DATATYPE_IOV);
+            payload
+                .iter()
+                .map(|segment| sys::ucp_dt_iov_t {
+                    buffer: segment.as_ptr().cast_mut().cast::<c_void>(),
+                    length: segment.len(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let (buffer, count) = match payload.first() {
+            _ if !iov.is_empty() => (iov.as_ptr().cast::<c_void>(), iov.len()),
+            Some(segment) => (segment.as_ptr().cast::<c_void>(), segment.len()),
+            None => (ptr::null(), 0),
+        };
+        // SAFETY: the endpoint belongs to this worker and thread; `wire`, the payload's
+        // segments and the I/O vector over them are kept alive (in `Pending::Send`) until UCX
+        // reports completion, or are no longer needed when the call completes at once. UCX
+        // only reads through the vector's (const-cast) pointers.
         let request = unsafe {
             sys::ucp_am_send_nbx(
                 ep,
                 AM_ID,
                 wire.as_ptr().cast::<c_void>(),
                 wire.len(),
-                payload.as_ptr().cast::<c_void>(),
-                payload.len(),
+                buffer,
+                count,
                 &param,
             )
         };
@@ -584,7 +608,7 @@ impl Progress {
             endpoint.next_seq += 1;
         }
         if request.is_null() {
-            trace!(peer = %peer_id, seq, bytes = payload.len(), "UCX send completed at once");
+            trace!(peer = %peer_id, seq, bytes, "UCX send completed at once");
             let _ = reply.send(Ok(()));
             return;
         }
@@ -600,6 +624,7 @@ impl Progress {
                 _buffers: SendBuffers {
                     _header: wire,
                     _payload: payload,
+                    _iov: iov,
                 },
             },
         );

@@ -242,3 +242,38 @@ async fn departed_peer_gives_errors_over_tcp() {
 async fn departed_peer_gives_errors_with_peer_error_handling() {
     send_to_departed_peer(None, true).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn segmented_payloads_arrive_as_one_contiguous_payload() {
+    init_tracing();
+    let (a, _a_in) = Ucx::start(config(None)).unwrap();
+    let (b, mut b_in) = Ucx::start(config(None)).unwrap();
+    // Small (eager) and large (rendezvous) messages, of odd and empty segments.
+    let shapes: [&[usize]; 4] = [
+        &[3, 0, 1000, 5],
+        &[8 << 20, 7, 4 << 20],
+        &[0, 0],
+        &[1, 16 << 20],
+    ];
+    for (i, shape) in shapes.iter().enumerate() {
+        let segments: Vec<Bytes> = shape
+            .iter()
+            .enumerate()
+            .map(|(j, &size)| common::pattern((i * 10 + j) as u64, size))
+            .collect();
+        a.send_segments(b.address(), header(i as u64), segments)
+            .await
+            .unwrap();
+    }
+    for (i, shape) in shapes.iter().enumerate() {
+        let message = recv(&mut b_in).await;
+        assert_eq!(message.header, header(i as u64));
+        let expected: Vec<u8> = shape
+            .iter()
+            .enumerate()
+            .flat_map(|(j, &size)| common::pattern((i * 10 + j) as u64, size).to_vec())
+            .collect();
+        assert_eq!(message.payload.len(), expected.len(), "message {i}");
+        assert!(message.payload == expected, "message {i} corrupted");
+    }
+}
