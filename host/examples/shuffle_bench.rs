@@ -32,7 +32,7 @@ use wrk_proto::ShufflePeer;
 const IN_FLIGHT: usize = 4;
 /// Mappers the deliveries are spread over, so the receiver keeps at most this many pieces.
 const MAPPERS: usize = 16;
-/// Runs of each TCP path, alternated.
+/// Runs of each path (raw and shuffle, perftest and shuffle), alternated.
 const ROUNDS: usize = 3;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -145,11 +145,7 @@ async fn push(
     let mut in_flight = tokio::task::JoinSet::new();
     let mut bytes = 0u64;
     for i in 0..count {
-        if in_flight.len()
-            >= std::env::var("IN_FLIGHT")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(IN_FLIGHT)
+        if in_flight.len() >= IN_FLIGHT
             && let Some(done) = in_flight.join_next().await
         {
             bytes += done??;
@@ -274,9 +270,17 @@ async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
             ucx_address: hex::decode(address)?,
             ..peer
         };
-        let (bytes, seconds) = push(Arc::new(sender), peer, table, count, 0).await?;
-        let ucx_rate = bytes as f64 / seconds / 1e9;
-        match ucx_perftest(piece_bytes, count) {
+        let sender: Arc<dyn Transport> = Arc::new(sender);
+        let (mut ucx_rate, mut perftest) = (0f64, None::<f64>);
+        for round in 0..ROUNDS {
+            let (bytes, seconds) =
+                push(sender.clone(), peer.clone(), table.clone(), count, round).await?;
+            ucx_rate = ucx_rate.max(bytes as f64 / seconds / 1e9);
+            if let Some(rate) = ucx_perftest(piece_bytes, count) {
+                perftest = Some(perftest.unwrap_or(0.0).max(rate));
+            }
+        }
+        match perftest {
             Some(perftest) => {
                 println!("| ucx_perftest tag_bw ({piece_mib} MiB messages) | {perftest:.2} | |");
                 println!(

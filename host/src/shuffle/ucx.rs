@@ -19,11 +19,12 @@ use futures::future::BoxFuture;
 use prost::Message as _;
 use tokio::sync::{Mutex, oneshot};
 use wrk_proto::{PushAck, PushPieces, ShufflePeer};
-use wrk_ucx::{Incoming, Ucx, UcxConfig};
+use wrk_ucx::{Incoming, ReceiveBuffer, ReceiveBuffers, Ucx, UcxConfig};
 
 use super::pieces::PieceStore;
 use super::tcp::{encode_delivery, store_frame};
 use super::transport::{Delivery, Transport, TransportError};
+use crate::memory::buffers::{self, PooledVec};
 use crate::metrics::WorkerMetrics;
 
 const PUSH: u8 = 0;
@@ -48,6 +49,7 @@ impl UcxTransport {
     ) -> Result<Self, wrk_ucx::UcxError> {
         let config = UcxConfig {
             send_timeout: Some(SEND_TIMEOUT),
+            receive_buffers: Some(Arc::new(ReusedBlocks)),
             ..UcxConfig::default()
         };
         let (ucx, incoming) = Ucx::start(config)?;
@@ -69,6 +71,36 @@ impl UcxTransport {
     /// The address peers send to.
     pub fn address(&self) -> Vec<u8> {
         self.ucx.address().to_vec()
+    }
+}
+
+/// Pushes are received into the worker's reusable blocks (resident, unlike a fresh allocation)
+/// and the pieces decoded from them keep using the block, as over TCP.
+#[derive(Debug)]
+struct ReusedBlocks;
+
+impl ReceiveBuffers for ReusedBlocks {
+    fn allocate(&self, len: usize) -> Box<dyn ReceiveBuffer> {
+        Box::new(ReusedBlock(PooledVec::with_capacity(
+            buffers::global(),
+            len,
+        )))
+    }
+}
+
+struct ReusedBlock(PooledVec<u8>);
+
+// SAFETY: the vector was made with room for the `len` asked for; its unwritten tail is that
+// room (a pooled block or a `Vec`'s heap memory), owned by the vector alone and never moved.
+unsafe impl ReceiveBuffer for ReusedBlock {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        bytes::BufMut::chunk_mut(&mut self.0).as_mut_ptr()
+    }
+
+    unsafe fn finish(mut self: Box<Self>, len: usize) -> Bytes {
+        // SAFETY: passed on from the caller: `len` bytes of the room were written.
+        unsafe { bytes::BufMut::advance_mut(&mut self.0, len) };
+        Bytes::from_owner(self.0.into_scalar_buffer().into_inner())
     }
 }
 

@@ -2,7 +2,10 @@
 //! own default, including whatever the `UCX_*` environment variables say (the configuration is
 //! read with `ucp_config_read`, then the options given here are applied with `ucp_config_modify`).
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use crate::receive::ReceiveBuffers;
 
 /// Settings of one [`crate::Ucx`] instance.
 #[derive(Debug, Clone)]
@@ -28,6 +31,8 @@ pub struct UcxConfig {
     pub spin: Duration,
     /// How long [`crate::Ucx::shutdown`] waits for outstanding operations and endpoint closes.
     pub shutdown_timeout: Duration,
+    /// Where large payloads are received. `None`: a fresh `Vec` each.
+    pub receive_buffers: Option<Arc<dyn ReceiveBuffers>>,
 }
 
 impl Default for UcxConfig {
@@ -39,6 +44,7 @@ impl Default for UcxConfig {
             send_timeout: Some(Duration::from_secs(30)),
             spin: Duration::from_micros(50),
             shutdown_timeout: Duration::from_secs(5),
+            receive_buffers: None,
         }
     }
 }

@@ -27,6 +27,7 @@ mod address;
 mod config;
 mod error;
 mod progress;
+mod receive;
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc as std_mpsc;
@@ -39,6 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 pub use config::UcxConfig;
 pub use error::{Status, UcxError};
 use progress::{Command, Progress};
+pub use receive::{ReceiveBuffer, ReceiveBuffers};
 
 /// A received message.
 #[derive(Debug, Clone, PartialEq, Eq)]

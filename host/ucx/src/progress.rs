@@ -36,6 +36,7 @@ use wrk_ucx_sys as sys;
 use crate::address;
 use crate::config::UcxConfig;
 use crate::error::{Status, UcxError};
+use crate::receive::ReceiveBuffer;
 use crate::{Message, SendResult};
 
 /// The active-message id of wrk messages.
@@ -259,7 +260,9 @@ enum Pending {
     },
     Receive {
         request: *mut c_void,
-        buffer: Vec<u8>,
+        buffer: Box<dyn ReceiveBuffer>,
+        /// Bytes the buffer has room for.
+        len: usize,
         header: Vec<u8>,
         stream: u64,
         seq: u64,
@@ -788,7 +791,10 @@ impl Progress {
                 state.slots.insert(seq, Slot::Ready(message));
             }
             ArrivalBody::Rendezvous { desc, len } => {
-                let mut buffer: Vec<u8> = Vec::with_capacity(len);
+                let mut buffer = match &self.config.receive_buffers {
+                    Some(buffers) => buffers.allocate(len),
+                    None => crate::receive::fresh(len),
+                };
                 let token = self.token();
                 let mut param = sys::ucp_request_param_t {
                     op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK
@@ -798,8 +804,8 @@ impl Progress {
                 };
                 param.cb.recv_am = Some(on_recv_done);
                 // SAFETY: `desc` is a rendezvous descriptor from this worker's AM callback;
-                // `buffer` has capacity for `len` bytes and its heap memory stays put (kept in
-                // `Pending::Receive`) until UCX reports completion.
+                // `buffer` has room for `len` bytes that stay put (it is kept in
+                // `Pending::Receive`) until UCX reports completion (`ReceiveBuffer`'s contract).
                 let request = unsafe {
                     sys::ucp_am_recv_data_nbx(
                         self.worker.0,
@@ -816,11 +822,8 @@ impl Progress {
                     state.slots.insert(seq, Slot::Lost);
                 } else if request.is_null() {
                     // SAFETY: the receive completed at once and wrote all `len` bytes.
-                    unsafe { buffer.set_len(len) };
-                    let message = Message {
-                        header,
-                        payload: Bytes::from(buffer),
-                    };
+                    let payload = unsafe { buffer.finish(len) };
+                    let message = Message { header, payload };
                     state.slots.insert(seq, Slot::Ready(message));
                 } else {
                     state.slots.insert(seq, Slot::Receiving);
@@ -829,6 +832,7 @@ impl Progress {
                         Pending::Receive {
                             request,
                             buffer,
+                            len,
                             header,
                             stream,
                             seq,
@@ -866,20 +870,18 @@ impl Progress {
                 None
             }
             Pending::Receive {
-                mut buffer,
+                buffer,
+                len,
                 header,
                 stream,
                 seq,
                 ..
             } => {
-                let slot = if status == sys::UCS_OK && length <= buffer.capacity() {
-                    // SAFETY: UCX reports `length` bytes written into the buffer, within its
-                    // capacity.
-                    unsafe { buffer.set_len(length) };
-                    Slot::Ready(Message {
-                        header,
-                        payload: Bytes::from(buffer),
-                    })
+                let slot = if status == sys::UCS_OK && length <= len {
+                    // SAFETY: UCX reports `length` bytes written into the buffer, within the
+                    // room it was given.
+                    let payload = unsafe { buffer.finish(length) };
+                    Slot::Ready(Message { header, payload })
                 } else {
                     warn!(stream, seq, status = %Status::new(status), "UCX receive failed: message lost");
                     Slot::Lost

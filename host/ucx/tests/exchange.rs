@@ -277,3 +277,68 @@ async fn segmented_payloads_arrive_as_one_contiguous_payload() {
         assert!(message.payload == expected, "message {i} corrupted");
     }
 }
+
+/// Receive buffers from the caller: a `Vec` with a guard byte past the room asked for, and a
+/// count of the buffers made.
+#[derive(Debug, Default)]
+struct Counted(std::sync::atomic::AtomicUsize);
+
+struct Guarded(Vec<u8>);
+
+// SAFETY: the vector holds `len + 1` initialised bytes; the first `len` are the room.
+unsafe impl wrk_ucx::ReceiveBuffer for Guarded {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr()
+    }
+
+    unsafe fn finish(mut self: Box<Self>, len: usize) -> Bytes {
+        assert_eq!(
+            self.0.pop(),
+            Some(0xAB),
+            "UCX wrote past the room it was given"
+        );
+        self.0.truncate(len);
+        Bytes::from(self.0)
+    }
+}
+
+impl wrk_ucx::ReceiveBuffers for Counted {
+    fn allocate(&self, len: usize) -> Box<dyn wrk_ucx::ReceiveBuffer> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut room = vec![0u8; len];
+        room.push(0xAB);
+        Box::new(Guarded(room))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_payloads_are_received_into_the_callers_buffers() {
+    init_tracing();
+    let counted = std::sync::Arc::new(Counted::default());
+    let (a, _a_in) = Ucx::start(config(None)).unwrap();
+    let (b, mut b_in) = Ucx::start(UcxConfig {
+        receive_buffers: Some(counted.clone()),
+        ..config(None)
+    })
+    .unwrap();
+    let sizes = [16usize << 20, 100, 3 << 20];
+    for (i, &size) in sizes.iter().enumerate() {
+        a.send(
+            b.address(),
+            header(i as u64),
+            common::pattern(i as u64, size),
+        )
+        .await
+        .unwrap();
+    }
+    for (i, &size) in sizes.iter().enumerate() {
+        let message = recv(&mut b_in).await;
+        assert!(
+            message.payload == common::pattern(i as u64, size),
+            "payload {i} corrupted"
+        );
+    }
+    // The two large ones went through rendezvous into the caller's buffers; 100 bytes arrive
+    // eagerly.
+    assert_eq!(counted.0.load(std::sync::atomic::Ordering::Relaxed), 2);
+}
