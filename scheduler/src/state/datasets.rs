@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 
+use wrk_proto::stage_input::Pattern;
 use wrk_proto::{
     DatasetList, DatasetWorker, JobSpec, JobState, PartitionLocation, PersistedDataset,
 };
@@ -92,6 +93,27 @@ fn unavailable(job: &Job) -> Option<String> {
     }
 }
 
+/// Stages left at 0 tasks (the client did not know a dataset's partition count) that map one
+/// to one over a stage, or reduce an exchange from it, take its task count.
+fn follow_task_counts(spec: &mut JobSpec) {
+    for s in 0..spec.stages.len() {
+        if spec.stages[s].num_tasks != 0 {
+            continue;
+        }
+        let upstream = spec.stages[s]
+            .inputs
+            .iter()
+            .find(|i| {
+                matches!(i.pattern(), Pattern::OneToOne | Pattern::Shuffle)
+                    && (i.stage as usize) < s
+            })
+            .map(|i| spec.stages[i.stage as usize].num_tasks);
+        if let Some(count) = upstream {
+            spec.stages[s].num_tasks = count;
+        }
+    }
+}
+
 impl State {
     /// Checks the datasets `spec` names for `tenant` (the one it persists must be free, the
     /// ones it reads must exist and be readable) and sets each reading stage's task count to
@@ -133,6 +155,9 @@ impl State {
                 producer,
                 name,
             });
+        }
+        if !reads.is_empty() {
+            follow_task_counts(spec);
         }
         Ok(reads)
     }
