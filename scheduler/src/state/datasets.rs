@@ -449,14 +449,11 @@ impl State {
         // Largest first, so the first fitting partition of a worker is its largest.
         partitions.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.index.cmp(&b.0.index)));
         let mut planned: Vec<(TaskRef, String)> = Vec::new();
-        loop {
-            let Some((emptiest, low)) = load
-                .iter()
-                .min_by_key(|(id, l)| (**l, (*id).clone()))
-                .map(|(id, l)| (id.clone(), *l))
-            else {
-                break;
-            };
+        while let Some((emptiest, low)) = load
+            .iter()
+            .min_by_key(|(id, l)| (**l, (*id).clone()))
+            .map(|(id, l)| (id.clone(), *l))
+        {
             let mut holders: Vec<(String, u64)> = load
                 .iter()
                 .filter(|(id, l)| **l > low && **id != emptiest)

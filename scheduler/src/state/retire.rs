@@ -111,7 +111,7 @@ impl State {
             }
         }
         // Largest first, each to the worker with the least in its pool and on its way there.
-        held.sort_by(|a, b| b.1.cmp(&a.1));
+        held.sort_by_key(|h| std::cmp::Reverse(h.1));
         let mut targets: Vec<(String, u64)> = self
             .workers
             .iter()
