@@ -81,8 +81,9 @@ enum Command {
         /// Seconds without a heartbeat before a worker is declared lost.
         #[arg(long, default_value_t = 10.0)]
         worker_timeout_secs: f64,
-        /// A TOML file of tenants and their tokens; without it the scheduler is open to anyone
-        /// who can reach it.
+        /// A TOML file of tenants and their tokens, read again when it changes (a removed
+        /// tenant's datasets are released); without it the scheduler is open to anyone who can
+        /// reach it, so it listens on loopback only unless --insecure-no-auth.
         #[arg(long)]
         tenants: Option<PathBuf>,
         /// The token workers must present.
@@ -468,6 +469,7 @@ async fn run() -> Result<()> {
             insecure_no_auth,
         } => {
             check_auth(listen, tenants.is_some(), insecure_no_auth)?;
+            let tenants_file = tenants.clone();
             let tenants = match tenants {
                 Some(path) => Some(Arc::new(wrk_scheduler::tenants::Tenants::load(&path)?)),
                 None => {
@@ -491,6 +493,7 @@ async fn run() -> Result<()> {
                 heartbeat_interval: Duration::from_millis(heartbeat_ms.max(10)),
                 worker_timeout: Duration::from_secs_f64(worker_timeout_secs.max(0.1)),
                 tenants,
+                tenants_file,
                 worker_token,
             };
             wrk_scheduler::serve(listener, Some(http), config, shutdown_signal()).await?;

@@ -1,7 +1,8 @@
 //! The scheduler's gRPC service: the thin layer between tonic streams and the [`State`] machine.
 
+use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use futures::Stream;
@@ -24,6 +25,8 @@ use crate::graph;
 use crate::state::{Outgoing, State, StateError, WORKER_LEFT};
 use crate::tenants::Tenants;
 
+mod reload;
+
 /// How soon the backlog should drain when a scaling request names no target.
 const DEFAULT_SCALING_TARGET: Duration = Duration::from_secs(60);
 
@@ -36,6 +39,9 @@ pub struct SchedulerConfig {
     /// When set, every client call must carry a known tenant's token, and a tenant sees only its
     /// own jobs. When not, the scheduler is open: every caller is the tenant `default`.
     pub tenants: Option<Arc<Tenants>>,
+    /// The file `tenants` was read from: read again when it changes, and the datasets of
+    /// tenants no longer in it are released.
+    pub tenants_file: Option<PathBuf>,
     /// When set, workers must present this token to attach and to fetch modules.
     pub worker_token: Option<String>,
 }
@@ -46,6 +52,7 @@ impl Default for SchedulerConfig {
             heartbeat_interval: Duration::from_secs(1),
             worker_timeout: Duration::from_secs(10),
             tenants: None,
+            tenants_file: None,
             worker_token: None,
         }
     }
@@ -56,6 +63,8 @@ impl Default for SchedulerConfig {
 pub struct SchedulerService {
     state: Arc<Mutex<State>>,
     config: SchedulerConfig,
+    /// The tenants now (the configured ones, as reloaded since).
+    tenants: Arc<RwLock<Option<Arc<Tenants>>>>,
 }
 
 fn status(e: StateError) -> Status {
@@ -126,13 +135,19 @@ impl SchedulerService {
                     .set_ticket_secret(config.worker_token.as_ref().map(|t| t.as_bytes().to_vec()));
                 state
             })),
+            tenants: Arc::new(RwLock::new(config.tenants.clone())),
             config,
         }
     }
 
     /// The tenant making a client call.
     fn tenant<T>(&self, request: &Request<T>) -> Result<String, Status> {
-        let Some(tenants) = &self.config.tenants else {
+        let tenants = self
+            .tenants
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        let Some(tenants) = tenants else {
             return Ok(OPEN_TENANT.to_string());
         };
         match bearer(request) {
@@ -554,6 +569,7 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let service = SchedulerService::new(config);
     let reaper = service.spawn_reaper();
+    let reloader = service.spawn_tenants_reload();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let http_server = http.map(|listener| {
         let router = service.http_router();
@@ -582,6 +598,9 @@ pub async fn serve(
         .await;
     let _ = stop.send(true);
     reaper.abort();
+    if let Some(reloader) = reloader {
+        reloader.abort();
+    }
     result?;
     if let Some(http) = http_server {
         match http.await {

@@ -9,7 +9,7 @@
 //! reading task whose partition is being recomputed waits for it (parked by producing job), and
 //! a reading job fails, naming the dataset, when the dataset is released or fails.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use wrk_proto::stage_input::Pattern;
 use wrk_proto::{
@@ -394,6 +394,24 @@ impl State {
         tracing::info!(dataset = %name, %tenant, "dataset released");
         out.extend(self.dispatch());
         Ok(out)
+    }
+
+    /// Releases the datasets of tenants not in `tenants` (they were removed from the tenants
+    /// file).
+    pub fn release_datasets_except(&mut self, tenants: &HashSet<String>) -> Outgoing {
+        let removed: Vec<(String, String)> = self
+            .datasets
+            .by_name
+            .keys()
+            .filter(|(tenant, _)| !tenants.contains(tenant))
+            .cloned()
+            .collect();
+        let mut out = Vec::new();
+        for (tenant, name) in removed {
+            tracing::info!(%tenant, dataset = %name, "tenant removed: releasing its dataset");
+            out.extend(self.release_dataset(&tenant, &name).unwrap_or_default());
+        }
+        out
     }
 
     /// Plans moves of `tenant`'s dataset `name`'s partitions so that its bytes are spread
