@@ -129,6 +129,7 @@ pub async fn run_job_with_report(
     // Watched from before the submission, so a SIGTERM from then on cancels the job.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     let name = spec.name.clone();
+    let persisted = !spec.persist.is_empty();
     let tasks: u64 = spec.stages.iter().map(|s| u64::from(s.num_tasks)).sum();
     let bars = Bars::new(&spec, show_progress);
     let started = Instant::now();
@@ -192,6 +193,17 @@ pub async fn run_job_with_report(
         JobState::Succeeded => {}
         JobState::Cancelled => bail!("job `{name}` ({job_id}) was cancelled{written}"),
         _ => bail!("job `{name}` ({job_id}) failed: {}{written}", last.error),
+    }
+    // Counted by the scheduler: a stage reading a dataset has as many tasks as it has partitions.
+    let tasks = tasks.max(last.stages.iter().map(|s| u64::from(s.total)).sum::<u64>());
+    if persisted {
+        // The outputs stay on the workers as the dataset; the job is not released.
+        return Ok(JobOutcome {
+            job_id,
+            tables: Vec::new(),
+            tasks,
+            elapsed,
+        });
     }
     let result = client.get_job_result(job.clone()).await?.into_inner();
     let peers = PeerClient::new();

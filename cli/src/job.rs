@@ -20,6 +20,9 @@
 //! name = "summary"
 //! inputs = ["distance"]           # every output of `distance`, in one task
 //! ```
+//!
+//! `persist = "NAME"` keeps the final stages' outputs on the workers as the tenant's dataset
+//! `NAME`; a stage of a later job reads it with `dataset = "NAME"` (one task per partition).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -45,6 +48,8 @@ pub struct JobFile {
     pub limits: LimitsEntry,
     #[serde(rename = "stage", default)]
     pub stages: Vec<StageEntry>,
+    /// Keep the final stages' outputs on the workers as a dataset of this name.
+    pub persist: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -67,6 +72,8 @@ pub struct StageEntry {
     pub module: Option<PathBuf>,
     /// Read this source: one task per partition.
     pub source: Option<String>,
+    /// Read this persisted dataset (of the tenant submitting): one task per partition.
+    pub dataset: Option<String>,
     #[serde(default)]
     pub columns: Vec<String>,
     /// Target partition size in MiB (default 256).
@@ -113,6 +120,8 @@ pub struct Overrides {
     pub sinks: Vec<(String, String)>,
     /// Replaces the job's default `module` (stages naming their own module keep it).
     pub module: Option<PathBuf>,
+    /// Persists the job's output as this dataset (`--persist`), overriding the file's `persist`.
+    pub persist: Option<String>,
 }
 
 fn param_text(value: &toml::Value) -> String {
@@ -271,6 +280,12 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             });
         }
 
+        if let (Some(source), Some(dataset)) = (&entry.source, &entry.dataset) {
+            bail!(
+                "stage `{}` reads both source `{source}` and dataset `{dataset}`; a stage reads one of them",
+                entry.name
+            );
+        }
         let partitions = match &entry.source {
             Some(source) => {
                 let Some(grant) = sources.get(source) else {
@@ -292,6 +307,10 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
         };
         let num_tasks = if !partitions.is_empty() {
             partitions.len() as u32
+        } else if entry.dataset.is_some() {
+            // The scheduler knows the dataset's partition count (and so sets it, and the
+            // counts of stages left at 0 that follow it).
+            0
         } else if let Some(n) = one_to_one_tasks {
             n
         } else {
@@ -310,6 +329,7 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             num_tasks,
             partitions,
             inputs,
+            dataset: entry.dataset.clone().unwrap_or_default(),
         });
     }
     Ok(JobSpec {
@@ -327,6 +347,11 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
                 .unwrap_or(0),
             task_memory_bytes: file.limits.task_memory_mib.map(|m| m << 20).unwrap_or(0),
         }),
+        persist: overrides
+            .persist
+            .clone()
+            .or(file.persist)
+            .unwrap_or_default(),
     })
 }
 

@@ -2,6 +2,7 @@
 //!
 //! - [`job`]: job files and their translation into job graphs.
 //! - [`client`]: submitting jobs, following progress, fetching results.
+//! - [`datasets`]: persisted datasets (list, release, rebalance) and retiring workers.
 //! - [`local`]: the embedded local cluster.
 //! - [`taxi`]: the deterministic taxi-trip data generator.
 //! - [`output`]: printing and writing results.
@@ -9,6 +10,7 @@
 //! - [`reuse`]: the buffer-reuse benchmark of `wrk bench-reuse`.
 
 pub mod client;
+pub mod datasets;
 pub mod job;
 pub mod local;
 pub mod output;

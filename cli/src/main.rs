@@ -28,7 +28,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use wrk_cli::job::{self, Overrides};
 use wrk_cli::local::{LocalCluster, LocalClusterConfig};
-use wrk_cli::{client, output, taxi};
+use wrk_cli::{client, datasets, output, taxi};
 use wrk_host::device::DeviceConfig;
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
 use wrk_host::gpu::detect::DeviceRequest;
@@ -81,13 +81,18 @@ enum Command {
         /// Seconds without a heartbeat before a worker is declared lost.
         #[arg(long, default_value_t = 10.0)]
         worker_timeout_secs: f64,
-        /// A TOML file of tenants and their tokens; without it the scheduler is open to anyone
-        /// who can reach it.
+        /// A TOML file of tenants and their tokens, read again when it changes (a removed
+        /// tenant's datasets are released); without it the scheduler is open to anyone who can
+        /// reach it, so it listens on loopback only unless --insecure-no-auth.
         #[arg(long)]
         tenants: Option<PathBuf>,
         /// The token workers must present.
         #[arg(long, env = "WRK_WORKER_TOKEN", hide_env_values = true)]
         worker_token: Option<String>,
+        /// Serve without tenants on an address other machines can reach (without it, a
+        /// scheduler with no --tenants file listens on loopback only).
+        #[arg(long)]
+        insecure_no_auth: bool,
     },
     /// Run a worker attached to a scheduler.
     Worker(WorkerArgs),
@@ -110,6 +115,36 @@ enum Command {
         /// Your tenant token, for schedulers that require one.
         #[arg(long, env = "WRK_TOKEN", hide_env_values = true)]
         token: Option<String>,
+    },
+    /// List your persisted datasets: partitions, rows, bytes and the workers holding them.
+    Datasets {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Release a persisted dataset: workers drop its partitions.
+    ReleaseDataset {
+        name: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Move a dataset's partitions between workers (peer to peer) so its bytes are even.
+    Rebalance {
+        name: String,
+        #[command(flatten)]
+        client: ClientArgs,
+        /// How long to wait for the moves, in seconds.
+        #[arg(long, default_value_t = 300.0)]
+        timeout_secs: f64,
+    },
+    /// Retire a worker: move the data it holds that is still needed to other workers, let its
+    /// tasks finish, then let it exit.
+    Retire {
+        worker_id: String,
+        #[command(flatten)]
+        client: ClientArgs,
+        /// How long to wait for the worker to leave, in seconds.
+        #[arg(long, default_value_t = 600.0)]
+        timeout_secs: f64,
     },
     /// Run one task on one Parquet file, without a cluster.
     Run(RunArgs),
@@ -145,6 +180,16 @@ enum Command {
         #[arg(long, default_value_t = 40)]
         iterations: u32,
     },
+}
+
+/// Where the scheduler is, and who is asking.
+#[derive(clap::Args)]
+struct ClientArgs {
+    #[arg(long, env = "WRK_SCHEDULER", default_value = "http://127.0.0.1:7070")]
+    scheduler: String,
+    /// Your tenant token, for schedulers that require one.
+    #[arg(long, env = "WRK_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -211,6 +256,10 @@ struct SubmitArgs {
     /// Your tenant token, for schedulers that require one.
     #[arg(long, env = "WRK_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Keep the job's output on the workers as your dataset NAME (instead of fetching it),
+    /// for later jobs to read with `dataset = "NAME"`. Needs --scheduler.
+    #[arg(long)]
+    persist: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -417,7 +466,10 @@ async fn run() -> Result<()> {
             worker_timeout_secs,
             tenants,
             worker_token,
+            insecure_no_auth,
         } => {
+            check_auth(listen, tenants.is_some(), insecure_no_auth)?;
+            let tenants_file = tenants.clone();
             let tenants = match tenants {
                 Some(path) => Some(Arc::new(wrk_scheduler::tenants::Tenants::load(&path)?)),
                 None => {
@@ -441,6 +493,7 @@ async fn run() -> Result<()> {
                 heartbeat_interval: Duration::from_millis(heartbeat_ms.max(10)),
                 worker_timeout: Duration::from_secs_f64(worker_timeout_secs.max(0.1)),
                 tenants,
+                tenants_file,
                 worker_token,
             };
             wrk_scheduler::serve(listener, Some(http), config, shutdown_signal()).await?;
@@ -478,7 +531,7 @@ async fn run() -> Result<()> {
                     pool_bytes: device_pool_bytes(args.device_pool_size)?,
                 },
             };
-            wrk_host::worker::run(config, shutdown_signal()).await?;
+            wrk_host::worker::run_retirable(config, shutdown_signal(), terminated()).await?;
             Ok(())
         }
         Command::Status {
@@ -499,6 +552,49 @@ async fn run() -> Result<()> {
                 .await
                 .with_context(|| format!("cannot cancel job `{job_id}`"))?;
             println!("cancelled {job_id}");
+            Ok(())
+        }
+        Command::Datasets { client } => {
+            let list = datasets::list(&client.scheduler, client.token.as_deref()).await?;
+            print!("{}", datasets::format_datasets(&list));
+            Ok(())
+        }
+        Command::ReleaseDataset { name, client } => {
+            datasets::release(&client.scheduler, client.token.as_deref(), &name).await?;
+            println!("released dataset {name}");
+            Ok(())
+        }
+        Command::Rebalance {
+            name,
+            client,
+            timeout_secs,
+        } => {
+            let moves = datasets::rebalance(
+                &client.scheduler,
+                client.token.as_deref(),
+                &name,
+                Duration::from_secs_f64(timeout_secs.max(0.0)),
+            )
+            .await?;
+            println!("rebalanced dataset {name}: {moves} partitions moved");
+            Ok(())
+        }
+        Command::Retire {
+            worker_id,
+            client,
+            timeout_secs,
+        } => {
+            let retired = datasets::retire(
+                &client.scheduler,
+                client.token.as_deref(),
+                &worker_id,
+                Duration::from_secs_f64(timeout_secs.max(0.0)),
+            )
+            .await?;
+            println!(
+                "retired worker {worker_id}: moved the outputs of {} tasks, waited for {} tasks",
+                retired.moves, retired.running_tasks
+            );
             Ok(())
         }
         Command::Run(args) => run_one(args).await,
@@ -560,18 +656,50 @@ async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
+/// Completes on SIGTERM (what Kubernetes sends a pod it stops); never where it cannot be watched.
+async fn terminated() {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => {
+            term.recv().await;
+        }
+        Err(_) => std::future::pending::<()>().await,
+    }
+}
+
+/// Authentication is on by default: a scheduler without tenants listens on loopback only,
+/// unless told `--insecure-no-auth`.
+fn check_auth(listen: SocketAddr, has_tenants: bool, insecure_no_auth: bool) -> Result<()> {
+    if has_tenants || listen.ip().is_loopback() {
+        return Ok(());
+    }
+    if insecure_no_auth {
+        tracing::warn!(
+            "--insecure-no-auth: serving {listen} without tenants; anyone who can reach it may run code on the workers"
+        );
+        return Ok(());
+    }
+    bail!(
+        "refusing to listen on {listen} without authentication: give --tenants FILE (tenants and their tokens), listen on loopback (--listen 127.0.0.1:7070), or accept an open scheduler with --insecure-no-auth"
+    )
+}
+
 async fn submit(args: SubmitArgs) -> Result<()> {
     let overrides = Overrides {
         params: args.params,
         sources: args.sources,
         sinks: args.sinks,
         module: args.module,
+        persist: args.persist,
     };
     let job_path = args.job.clone();
     let spec = tokio::task::spawn_blocking(move || job::plan(&job_path, &overrides)).await??;
     let name = spec.name.clone();
+    let persist = spec.persist.clone();
     let (url, cluster) = match args.scheduler {
         Some(url) => (url, None),
+        None if !persist.is_empty() => bail!(
+            "job `{name}` persists dataset `{persist}`, which needs a cluster that stays up: give --scheduler (see `wrk up`)"
+        ),
         None => {
             let workers = args.cluster.workers.unwrap_or_else(default_workers);
             let cluster = LocalCluster::start(LocalClusterConfig {
@@ -614,6 +742,17 @@ async fn submit(args: SubmitArgs) -> Result<()> {
     );
     if let Some(path) = &args.report {
         eprintln!("wrote the performance report to {}", path.display());
+    }
+    if !persist.is_empty() {
+        let dataset = datasets::find(&url, args.token.as_deref(), &persist).await?;
+        eprintln!(
+            "persisted dataset `{persist}`: {} partitions, {} rows, {} bytes on {} workers",
+            dataset.partitions,
+            dataset.rows,
+            dataset.bytes,
+            dataset.workers.len()
+        );
+        return Ok(());
     }
     let Some(batch) = output::combine(&outcome.tables)? else {
         eprintln!("the job returned no tables");
@@ -844,6 +983,25 @@ async fn run_one(args: RunArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scheduler_without_tenants_listens_on_loopback_unless_told_otherwise() {
+        let loopback: SocketAddr = "127.0.0.1:7070".parse().unwrap();
+        let any: SocketAddr = "0.0.0.0:7070".parse().unwrap();
+        let v6: SocketAddr = "[::]:7070".parse().unwrap();
+        assert!(check_auth(loopback, false, false).is_ok());
+        assert!(check_auth(any, true, false).is_ok());
+        assert!(check_auth(any, false, true).is_ok());
+        for open in [any, v6] {
+            let error = check_auth(open, false, false).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!(
+                    "refusing to listen on {open} without authentication"
+                )) && error.contains("--insecure-no-auth"),
+                "{error}"
+            );
+        }
+    }
 
     #[test]
     fn the_device_flag_and_its_environment_variable_parse() {

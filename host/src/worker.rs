@@ -19,8 +19,8 @@ use wrk_proto::task_input::Kind as InputKind;
 use wrk_proto::worker_message::Kind as ToScheduler;
 use wrk_proto::worker_server::WorkerServer;
 use wrk_proto::{
-    AssignTask, GetModuleRequest, Heartbeat, MAX_MESSAGE_BYTES, OutputMeta, Register, TaskDone,
-    TaskFailed, TaskStats, WorkerMessage,
+    AssignTask, FetchPartitions, GetModuleRequest, Heartbeat, MAX_MESSAGE_BYTES, OutputMeta,
+    PartitionsFetched, Register, RetireRequest, TaskDone, TaskFailed, TaskStats, WorkerMessage,
 };
 
 use crate::device::{DeviceConfig, DeviceError, WorkerDevice};
@@ -144,6 +144,17 @@ impl Failure {
 pub async fn run(
     config: WorkerConfig,
     shutdown: impl Future<Output = ()>,
+) -> Result<(), WorkerError> {
+    run_retirable(config, shutdown, std::future::pending()).await
+}
+
+/// [`run`], asking the scheduler to retire the worker when `retire` resolves (SIGTERM): it
+/// moves the worker's data to other workers and lets its tasks finish, then tells it to exit,
+/// and this returns `Ok`.
+pub async fn run_retirable(
+    config: WorkerConfig,
+    shutdown: impl Future<Output = ()>,
+    retire: impl Future<Output = ()>,
 ) -> Result<(), WorkerError> {
     let worker_id = config.worker_id.clone().unwrap_or_else(default_worker_id);
     let engine = TaskEngine::new(config.engine.clone())?;
@@ -318,9 +329,17 @@ pub async fn run(
     });
     let mut heartbeat = tokio::time::interval(heartbeat_every);
     tokio::pin!(shutdown);
+    tokio::pin!(retire);
+    let mut retire_asked = false;
     let result = loop {
         tokio::select! {
             _ = &mut shutdown => break Ok(()),
+            _ = &mut retire, if !retire_asked => {
+                retire_asked = true;
+                tracing::info!(worker = %worker_id, "asked to stop: asking the scheduler to retire this worker first");
+                let request = RetireRequest { reason: "the worker was asked to stop".into() };
+                let _ = outbox.send(WorkerMessage { kind: Some(ToScheduler::Retire(request)) }).await;
+            }
             _ = heartbeat.tick() => {
                 let beat = Heartbeat {
                     gpu: device.sample().await,
@@ -358,6 +377,18 @@ pub async fn run(
                         if let Some(task) = cancel.task {
                             shared.cancel_where(|key| *key == (task.job_id.clone(), task.stage, task.index));
                         }
+                    }
+                    Some(FromScheduler::Fetch(fetch)) => {
+                        let shared = shared.clone();
+                        tokio::spawn(async move { fetch_partitions(shared, fetch).await });
+                    }
+                    Some(FromScheduler::Shutdown(shutdown)) => {
+                        if shutdown.retired {
+                            tracing::info!(worker = %worker_id, "retired: the scheduler moved this worker's data away; exiting");
+                        } else {
+                            tracing::warn!(worker = %worker_id, "the scheduler tells this worker to exit without retiring it: {}", shutdown.reason);
+                        }
+                        break Ok(());
                     }
                     Some(FromScheduler::Registered(_)) | None => {}
                 },
@@ -513,6 +544,7 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask, cancel: Arc<AtomicB
     };
     shared.running.fetch_add(1, Ordering::Relaxed);
     shared.metrics.running_tasks.inc();
+    tracing::debug!(worker = %shared.worker_id, task = %id, stage = %task.stage_name, "task started");
     let started = Instant::now();
     let outcome = if cancel.load(Ordering::Relaxed) {
         Err(Failure::fatal("the task was cancelled before it started"))
@@ -764,6 +796,48 @@ async fn load_input(
         Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast, memory).await,
         None => Err(Failure::fatal("a task input has no kind")),
     }
+}
+
+/// Copies a task's outputs from the worker holding them into this worker's store, under the
+/// same keys, and tells the scheduler (which then points them here).
+async fn fetch_partitions(shared: Arc<Shared>, fetch: FetchPartitions) {
+    let mut error = String::new();
+    for location in &fetch.partitions {
+        let key = location.key.clone().unwrap_or_default();
+        match shared
+            .peers
+            .fetch(&location.address, &key, &location.ticket)
+            .await
+        {
+            Ok(table) => shared.store.insert(PartitionId::from(&key), table),
+            Err(e) => {
+                error = format!(
+                    "cannot fetch partition {} from worker {}: {e}",
+                    PartitionId::from(&key),
+                    location.worker_id
+                );
+                break;
+            }
+        }
+    }
+    if !error.is_empty() {
+        // Keep none of a partial copy.
+        shared
+            .store
+            .release_task(&fetch.job_id, fetch.stage, fetch.task);
+    }
+    let fetched = PartitionsFetched {
+        job_id: fetch.job_id,
+        stage: fetch.stage,
+        task: fetch.task,
+        error,
+    };
+    let _ = shared
+        .outbox
+        .send(WorkerMessage {
+            kind: Some(ToScheduler::Fetched(fetched)),
+        })
+        .await;
 }
 
 /// A partition held here (read back if it was spilled) or by a peer, counted in the task's

@@ -1,7 +1,8 @@
 //! The scheduler's gRPC service: the thin layer between tonic streams and the [`State`] machine.
 
+use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use futures::Stream;
@@ -14,14 +15,17 @@ use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::scheduler_server::{Scheduler, SchedulerServer};
 use wrk_proto::worker_message::Kind as FromWorker;
 use wrk_proto::{
-    ClusterStatus, Empty, GetModuleRequest, JobProgress, JobRef, JobResult, JobState, JobTimeline,
-    MAX_MESSAGE_BYTES, ModuleBytes, Registered, ScalingAdvice, ScalingRequest, SchedulerMessage,
-    SubmitJobRequest, SubmitJobResponse, WorkerMessage,
+    ClusterStatus, DatasetList, DatasetRef, Empty, GetModuleRequest, JobProgress, JobRef,
+    JobResult, JobState, JobTimeline, MAX_MESSAGE_BYTES, ModuleBytes, RebalanceResponse,
+    Registered, RetireResponse, ScalingAdvice, ScalingRequest, SchedulerMessage, SubmitJobRequest,
+    SubmitJobResponse, WorkerMessage, WorkerRef,
 };
 
 use crate::graph;
 use crate::state::{Outgoing, State, StateError, WORKER_LEFT};
 use crate::tenants::Tenants;
+
+mod reload;
 
 /// How soon the backlog should drain when a scaling request names no target.
 const DEFAULT_SCALING_TARGET: Duration = Duration::from_secs(60);
@@ -35,6 +39,9 @@ pub struct SchedulerConfig {
     /// When set, every client call must carry a known tenant's token, and a tenant sees only its
     /// own jobs. When not, the scheduler is open: every caller is the tenant `default`.
     pub tenants: Option<Arc<Tenants>>,
+    /// The file `tenants` was read from: read again when it changes, and the datasets of
+    /// tenants no longer in it are released.
+    pub tenants_file: Option<PathBuf>,
     /// When set, workers must present this token to attach and to fetch modules.
     pub worker_token: Option<String>,
 }
@@ -45,6 +52,7 @@ impl Default for SchedulerConfig {
             heartbeat_interval: Duration::from_secs(1),
             worker_timeout: Duration::from_secs(10),
             tenants: None,
+            tenants_file: None,
             worker_token: None,
         }
     }
@@ -55,15 +63,42 @@ impl Default for SchedulerConfig {
 pub struct SchedulerService {
     state: Arc<Mutex<State>>,
     config: SchedulerConfig,
+    /// The tenants now (the configured ones, as reloaded since).
+    tenants: Arc<RwLock<Option<Arc<Tenants>>>>,
 }
 
 fn status(e: StateError) -> Status {
     match e {
         StateError::DuplicateWorker(_) => Status::already_exists(e.to_string()),
-        StateError::UnknownJob(_) | StateError::UnknownModule(_) => {
-            Status::not_found(e.to_string())
+        StateError::UnknownJob(_)
+        | StateError::UnknownModule(_)
+        | StateError::UnknownDataset(_)
+        | StateError::UnknownWorker(_) => Status::not_found(e.to_string()),
+        StateError::DatasetExists(_) => Status::already_exists(e.to_string()),
+        StateError::NoTimeline(_)
+        | StateError::DatasetUnavailable { .. }
+        | StateError::NoOtherWorker(_) => Status::failed_precondition(e.to_string()),
+    }
+}
+
+/// A refused submission, naming the job.
+fn job_status(job: &str, e: StateError) -> Status {
+    let status = status(e);
+    Status::new(status.code(), format!("job `{job}`: {}", status.message()))
+}
+
+/// A worker asked to be retired (it is stopping): retire it, or tell it to go at once when
+/// no other worker can take its data.
+fn retire_on_request(state: &mut State, worker_id: &str, reason: &str) -> Outgoing {
+    match state.retire_worker(worker_id) {
+        Ok((out, response)) => {
+            tracing::info!(worker = %worker_id, moves = response.moves, running = response.running_tasks, "worker asked to be retired ({reason})");
+            out
         }
-        StateError::NoTimeline(_) => Status::failed_precondition(e.to_string()),
+        Err(e) => {
+            tracing::warn!(worker = %worker_id, "worker asked to be retired ({reason}), which is refused: {e}; it exits anyway");
+            state.exit_now(worker_id, &e.to_string())
+        }
     }
 }
 
@@ -100,13 +135,19 @@ impl SchedulerService {
                     .set_ticket_secret(config.worker_token.as_ref().map(|t| t.as_bytes().to_vec()));
                 state
             })),
+            tenants: Arc::new(RwLock::new(config.tenants.clone())),
             config,
         }
     }
 
     /// The tenant making a client call.
     fn tenant<T>(&self, request: &Request<T>) -> Result<String, Status> {
-        let Some(tenants) = &self.config.tenants else {
+        let tenants = self
+            .tenants
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        let Some(tenants) = tenants else {
             return Ok(OPEN_TENANT.to_string());
         };
         match bearer(request) {
@@ -217,9 +258,17 @@ impl Scheduler for SchedulerService {
                             Some(FromWorker::Failed(failed)) => {
                                 state.task_failed(&worker_id, failed)
                             }
+                            Some(FromWorker::Fetched(fetched)) => {
+                                state.partitions_fetched(&worker_id, fetched)
+                            }
+                            Some(FromWorker::Retire(request)) => {
+                                retire_on_request(&mut state, &worker_id, &request.reason)
+                            }
                             Some(FromWorker::Register(_)) | None => Vec::new(),
                         };
                         send(out);
+                        // Whatever happened may let a retiring worker's retirement go on.
+                        send(state.retirements());
                     }
                     Ok(None) => break WORKER_LEFT.to_string(),
                     Err(status) => break format!("its channel failed: {}", status.message()),
@@ -254,16 +303,38 @@ impl Scheduler for SchedulerService {
         let tenant = self.tenant(&request)?;
         let request = request.into_inner();
         let keep_timeline = request.keep_timeline;
-        let Some(spec) = request.job else {
+        let Some(mut spec) = request.job else {
             return Err(Status::invalid_argument("the request has no job"));
         };
-        let known = self.state().known_modules();
+        let (known, reads) = {
+            let state = self.state();
+            let reads = state
+                .resolve_datasets(&tenant, &mut spec)
+                .map_err(|e| job_status(&spec.name, e))?;
+            (state.known_modules(), reads)
+        };
         // Hashing modules can take a while: do it outside the lock.
         graph::validate(&spec, &known)
             .map_err(|e| Status::invalid_argument(format!("job `{}`: {e}", spec.name)))?;
         let mut state = self.state();
+        // Again under the lock the job is submitted under: a name may have been taken or
+        // released meanwhile.
+        if state
+            .resolve_datasets(&tenant, &mut spec)
+            .map_err(|e| job_status(&spec.name, e))?
+            != reads
+        {
+            return Err(Status::aborted(format!(
+                "job `{}`: a dataset it reads was replaced while it was submitted; submit it again",
+                spec.name
+            )));
+        }
         let name = spec.name.clone();
+        let persist = spec.persist.clone();
         let (job_id, _) = state.submit(&tenant, spec);
+        state
+            .register_datasets(&tenant, &job_id, reads, &persist)
+            .map_err(status)?;
         if keep_timeline {
             state.keep_timeline(&tenant, &job_id).map_err(status)?;
         }
@@ -355,6 +426,53 @@ impl Scheduler for SchedulerService {
             .job_timeline(&tenant, &request.into_inner().job_id)
             .map_err(status)?;
         Ok(Response::new(timeline))
+    }
+
+    async fn persisted_datasets(
+        &self,
+        request: Request<Empty>,
+    ) -> Result<Response<DatasetList>, Status> {
+        let tenant = self.tenant(&request)?;
+        Ok(Response::new(self.state().datasets(&tenant)))
+    }
+
+    async fn release_dataset(
+        &self,
+        request: Request<DatasetRef>,
+    ) -> Result<Response<Empty>, Status> {
+        let tenant = self.tenant(&request)?;
+        let out = self
+            .state()
+            .release_dataset(&tenant, &request.into_inner().name)
+            .map_err(status)?;
+        send(out);
+        Ok(Response::new(Empty {}))
+    }
+
+    async fn rebalance_dataset(
+        &self,
+        request: Request<DatasetRef>,
+    ) -> Result<Response<RebalanceResponse>, Status> {
+        let tenant = self.tenant(&request)?;
+        let (out, moves) = self
+            .state()
+            .rebalance_dataset(&tenant, &request.into_inner().name)
+            .map_err(status)?;
+        send(out);
+        Ok(Response::new(RebalanceResponse { moves }))
+    }
+
+    async fn retire_worker(
+        &self,
+        request: Request<WorkerRef>,
+    ) -> Result<Response<RetireResponse>, Status> {
+        // Retiring is an operator's act, but names no tenant's data: any tenant may ask, as for
+        // the scaling advice.
+        self.tenant(&request)?;
+        let worker_id = request.into_inner().worker_id;
+        let (out, response) = self.state().retire_worker(&worker_id).map_err(status)?;
+        send(out);
+        Ok(Response::new(response))
     }
 
     async fn get_cluster_status(
@@ -451,6 +569,7 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let service = SchedulerService::new(config);
     let reaper = service.spawn_reaper();
+    let reloader = service.spawn_tenants_reload();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let http_server = http.map(|listener| {
         let router = service.http_router();
@@ -479,6 +598,9 @@ pub async fn serve(
         .await;
     let _ = stop.send(true);
     reaper.abort();
+    if let Some(reloader) = reloader {
+        reloader.abort();
+    }
     result?;
     if let Some(http) = http_server {
         match http.await {

@@ -23,9 +23,13 @@ use wrk_proto::{
     task_input,
 };
 
+mod datasets;
+mod moves;
+mod retire;
 mod shuffle;
 mod views;
 
+pub use datasets::Read;
 pub use views::{
     ExecutionView, JobView, JobsView, Page, StageView, TransferView, WorkerView, WorkersView,
     state_name,
@@ -62,6 +66,16 @@ pub enum StateError {
         "job `{0}` keeps no timeline: it was submitted without asking for one (wrk submit --report), or it was released, or too many jobs finished since"
     )]
     NoTimeline(String),
+    #[error("no dataset `{0}`")]
+    UnknownDataset(String),
+    #[error("a dataset named `{0}` already exists: release it first (wrk release-dataset {0})")]
+    DatasetExists(String),
+    #[error("dataset `{name}` cannot be read: {reason}")]
+    DatasetUnavailable { name: String, reason: String },
+    #[error("no worker `{0}`")]
+    UnknownWorker(String),
+    #[error("worker `{0}` cannot be retired: no other worker would take its data and tasks")]
+    NoOtherWorker(String),
 }
 
 /// A task, by position in its job.
@@ -152,6 +166,8 @@ struct Worker {
     pool_bytes: u64,
     pool_used_bytes: u64,
     partitions: u64,
+    /// Being retired: it gets no new task ([`State::retire_worker`]).
+    retiring: bool,
     /// The pool figures of the latest heartbeat.
     beat: wrk_proto::Heartbeat,
     memory: MemoryHistory,
@@ -164,6 +180,9 @@ impl Worker {
     }
 
     fn free(&self) -> u32 {
+        if self.retiring {
+            return 0;
+        }
         self.capacity().saturating_sub(self.running.len() as u32)
     }
 
@@ -219,6 +238,10 @@ pub struct State {
     recent: Recent,
     /// Finished jobs still holding their records, oldest first.
     retained: VecDeque<u64>,
+    /// Persisted datasets and the stages reading them.
+    datasets: datasets::Datasets,
+    /// Partitions being copied from one worker to another (rebalancing, retiring).
+    moves: moves::Moves,
 }
 
 /// The pool bytes a task is expected to hold: its Parquet partition's size estimate and the
@@ -636,6 +659,7 @@ impl State {
                 pool_bytes: register.pool_bytes,
                 pool_used_bytes: 0,
                 partitions: 0,
+                retiring: false,
                 beat: wrk_proto::Heartbeat::default(),
                 memory: MemoryHistory::default(),
             },
@@ -777,6 +801,15 @@ impl State {
             let Some(task) = self.ready.pop_front() else {
                 break;
             };
+            match self.dataset_gate(task) {
+                datasets::Gate::Open => {}
+                datasets::Gate::Wait => continue,
+                datasets::Gate::Closed(reason) => {
+                    out.extend(self.finish_job(task.job, JobState::Failed, reason));
+                    out.extend(self.release_job(task.job));
+                    continue;
+                }
+            }
             let Some(job) = self.jobs.get(&task.job) else {
                 continue;
             };
@@ -791,17 +824,17 @@ impl State {
                 self.ready.push_back(task);
                 continue;
             }
+            let expected = expected_bytes(job, task) + self.dataset_input_bytes(task);
             if let Some(pinned) = job.pinned_worker(task.stage, task.index) {
                 if self.workers.get(pinned).is_some_and(|w| w.free() > 0) {
                     let pinned = pinned.to_string();
-                    out.push(self.start(task, &pinned, expected_bytes(job, task)));
+                    out.push(self.start(task, &pinned, expected));
                     self.requeue_if_free(&pinned);
                 } else {
                     pinned_waiting.push(task);
                 }
                 continue;
             }
-            let expected = expected_bytes(job, task);
             let local = self.local_worker(job, task, expected);
             let worker_id = match local {
                 Some(local) => local,
@@ -927,6 +960,9 @@ impl State {
                     outputs.iter().map(|o| o.bytes).sum::<u64>();
             }
         }
+        if let Some((worker, bytes)) = self.dataset_holders(task) {
+            *local_bytes.entry(worker).or_default() += bytes;
+        }
         local_bytes
             .into_iter()
             .filter(|(id, _)| {
@@ -971,6 +1007,9 @@ impl State {
                 kind: Some(task_input::Kind::Parquet(partition.clone())),
             });
         }
+        inputs.extend(self.dataset_inputs(task).into_iter().map(|l| TaskInput {
+            kind: Some(task_input::Kind::Partition(l)),
+        }));
         let outputs_of = |s: u32, i: u32| -> Vec<PartitionLocation> {
             match &job.tasks[s as usize][i as usize].status {
                 TaskStatus::Done { worker, outputs } => outputs
@@ -1194,6 +1233,7 @@ impl State {
         if succeeded {
             self.job_ended(task.job);
         }
+        self.wake_dataset_readers(task.job);
         out.extend(self.dispatch());
         out
     }
@@ -1364,6 +1404,7 @@ impl State {
             "released by the client before it finished".into(),
         );
         out.extend(self.release_job(number));
+        self.forget_dataset_of(number);
         if let Some(job) = self.jobs.get_mut(&number) {
             job.records = None;
         }
@@ -1382,6 +1423,9 @@ impl State {
         job.released = true;
         job.tasks = Vec::new();
         let job_id = job.id.clone();
+        // Readers waiting for a partition of this job's dataset learn that it is gone.
+        self.wake_dataset_readers(number);
+        self.datasets.forget_reader(number);
         self.workers
             .values()
             .map(|w| {
@@ -1503,6 +1547,7 @@ impl State {
                 job.publish();
             }
         }
+        recompute += self.recover_datasets();
         if rerun == 0 && recompute == 0 && reason == WORKER_LEFT {
             tracing::info!(worker = %worker_id, address = %worker.address, "worker left");
         } else {
@@ -1512,7 +1557,7 @@ impl State {
                 "worker lost ({reason}): {rerun} running tasks to rerun, {recompute} finished tasks to recompute"
             );
         }
-        let mut out = Vec::new();
+        let mut out = self.moves_after_loss(worker_id);
         for (number, reason) in poisoned {
             out.extend(self.finish_job(number, JobState::Failed, reason));
             out.extend(self.release_job(number));

@@ -116,6 +116,11 @@ impl Tenants {
         Ok(Tenants { by_token_hash })
     }
 
+    /// The tenants' names.
+    pub fn names(&self) -> std::collections::HashSet<String> {
+        self.by_token_hash.values().cloned().collect()
+    }
+
     /// The tenant a token belongs to.
     pub fn tenant_of(&self, token: &str) -> Option<&str> {
         self.by_token_hash

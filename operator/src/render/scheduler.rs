@@ -64,6 +64,11 @@ pub fn deployment(cluster: &WrkCluster) -> Result<Deployment, Error> {
     let mut env = Vec::new();
     let mut mounts = Vec::new();
     let mut volumes = Vec::new();
+    if cluster.spec.auth.is_none() {
+        // A scheduler without tenants refuses a non-loopback address unless told so: a cluster
+        // without `auth` is open by the user's choice, and its manifest says so.
+        args.push("--insecure-no-auth".to_string());
+    }
     if let Some(auth) = &cluster.spec.auth {
         args.push("--tenants".to_string());
         args.push(format!("{AUTH_DIR}/{TENANTS_FILE}"));
@@ -227,7 +232,8 @@ mod tests {
                 "--listen",
                 "0.0.0.0:7070",
                 "--http-listen",
-                "0.0.0.0:8787"
+                "0.0.0.0:8787",
+                "--insecure-no-auth"
             ]
         );
         assert_eq!(c.image.as_deref(), Some("example.org/wrk:0.1.0"));
