@@ -113,15 +113,16 @@ pub async fn run_job(
     spec: JobSpec,
     show_progress: bool,
 ) -> Result<JobOutcome> {
-    run_job_with_report(url, token, spec, show_progress, None).await
+    run_job_with_report(url, token, spec, 0, show_progress, None).await
 }
 
-/// [`run_job`], writing the job's performance report (see [`crate::report`]) to `report` once
-/// it has ended, succeeded or not.
+/// [`run_job`] at `priority` (among the tenant's jobs, higher first), writing the job's
+/// performance report (see [`crate::report`]) to `report` once it has ended, succeeded or not.
 pub async fn run_job_with_report(
     url: &str,
     token: Option<&str>,
     spec: JobSpec,
+    priority: i32,
     show_progress: bool,
     report: Option<&Path>,
 ) -> Result<JobOutcome> {
@@ -136,6 +137,7 @@ pub async fn run_job_with_report(
         .submit_job(SubmitJobRequest {
             job: Some(spec),
             keep_timeline: report.is_some(),
+            priority,
         })
         .await
         .map_err(|s| anyhow::anyhow!("the scheduler refused job `{name}`: {}", s.message()))?

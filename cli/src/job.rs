@@ -19,7 +19,11 @@
 //! [[stage]]
 //! name = "summary"
 //! inputs = ["distance"]           # every output of `distance`, in one task
+//! requires = ["gpu"]              # only on workers with all these tags (optional)
 //! ```
+//!
+//! A top-level `priority = N` (default 0; `wrk submit --priority` overrides it) orders the
+//! tenant's jobs: ready tasks of higher-priority jobs start first.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -45,6 +49,8 @@ pub struct JobFile {
     pub limits: LimitsEntry,
     #[serde(rename = "stage", default)]
     pub stages: Vec<StageEntry>,
+    /// Among the tenant's jobs, higher starts first.
+    pub priority: Option<i32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -79,6 +85,9 @@ pub struct StageEntry {
     pub tasks: Option<u32>,
     #[serde(default)]
     pub params: BTreeMap<String, toml::Value>,
+    /// Worker tags the stage's tasks need, all of them.
+    #[serde(default)]
+    pub requires: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,6 +122,15 @@ pub struct Overrides {
     pub sinks: Vec<(String, String)>,
     /// Replaces the job's default `module` (stages naming their own module keep it).
     pub module: Option<PathBuf>,
+    /// Replaces the job file's `priority`.
+    pub priority: Option<i32>,
+}
+
+/// A planned job: its graph and the priority to submit it at.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub spec: JobSpec,
+    pub priority: i32,
 }
 
 fn param_text(value: &toml::Value) -> String {
@@ -162,9 +180,17 @@ pub fn load(path: &Path) -> Result<JobFile> {
 
 /// Builds the job graph of a job file located at `path`.
 pub fn plan(path: &Path, overrides: &Overrides) -> Result<JobSpec> {
+    plan_job(path, overrides).map(|plan| plan.spec)
+}
+
+/// [`plan`], with the priority to submit the job at (the override, else the file's, else 0).
+pub fn plan_job(path: &Path, overrides: &Overrides) -> Result<Plan> {
     let file = load(path)?;
+    let priority = overrides.priority.or(file.priority).unwrap_or(0);
     let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    build_spec(file, &base, overrides).with_context(|| format!("job file `{}`", path.display()))
+    let spec = build_spec(file, &base, overrides)
+        .with_context(|| format!("job file `{}`", path.display()))?;
+    Ok(Plan { spec, priority })
 }
 
 fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSpec> {
@@ -298,6 +324,10 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             // A reducer stage has as many partitions as it has mappers unless it says otherwise.
             entry.tasks.or(mapper_tasks).unwrap_or(1)
         };
+        for tag in &entry.requires {
+            wrk_scheduler::tags::check(tag)
+                .with_context(|| format!("stage `{}` requires tag `{tag}`", entry.name))?;
+        }
         stage_index.insert(entry.name.clone(), stages.len() as u32);
         stages.push(Stage {
             name: entry.name.clone(),
@@ -310,6 +340,7 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             num_tasks,
             partitions,
             inputs,
+            requires: entry.requires.clone(),
         });
     }
     Ok(JobSpec {

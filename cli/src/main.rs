@@ -211,6 +211,10 @@ struct SubmitArgs {
     /// Your tenant token, for schedulers that require one.
     #[arg(long, env = "WRK_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// The job's priority among your jobs: higher starts first (default: the job file's
+    /// `priority`, else 0).
+    #[arg(long, allow_negative_numbers = true)]
+    priority: Option<i32>,
 }
 
 #[derive(clap::Args)]
@@ -270,6 +274,18 @@ struct WorkerArgs {
     /// which the operator sets from the pod's memory limit, sizes host memory, not this.)
     #[arg(long, env = "WRK_DEVICE_POOL_BYTES")]
     device_pool_size: Option<SizeSpec>,
+    /// Tags this worker offers to stages that require them (`requires = ["gpu"]` in a job
+    /// file), comma-separated, each of `a-z 0-9 . _ : -`; `gpu` with the GPU's model and MIG
+    /// profile, or `cpu`, are added automatically.
+    #[arg(long, env = "WRK_WORKER_TAGS", value_delimiter = ',', value_parser = parse_tag)]
+    tags: Vec<String>,
+}
+
+/// One `--tags` entry, checked as the scheduler checks it.
+fn parse_tag(text: &str) -> Result<String, String> {
+    wrk_scheduler::tags::check(text)
+        .map(|()| text.to_string())
+        .map_err(|e| e.to_string())
 }
 
 /// The device pool's size from `--device-pool-size`: bytes only (the default already is a share
@@ -477,6 +493,7 @@ async fn run() -> Result<()> {
                     request: args.device,
                     pool_bytes: device_pool_bytes(args.device_pool_size)?,
                 },
+                tags: args.tags,
             };
             wrk_host::worker::run(config, shutdown_signal()).await?;
             Ok(())
@@ -566,9 +583,11 @@ async fn submit(args: SubmitArgs) -> Result<()> {
         sources: args.sources,
         sinks: args.sinks,
         module: args.module,
+        priority: args.priority,
     };
     let job_path = args.job.clone();
-    let spec = tokio::task::spawn_blocking(move || job::plan(&job_path, &overrides)).await??;
+    let job::Plan { spec, priority } =
+        tokio::task::spawn_blocking(move || job::plan_job(&job_path, &overrides)).await??;
     let name = spec.name.clone();
     let (url, cluster) = match args.scheduler {
         Some(url) => (url, None),
@@ -597,6 +616,7 @@ async fn submit(args: SubmitArgs) -> Result<()> {
         &url,
         args.token.as_deref(),
         spec,
+        priority,
         !args.quiet,
         args.report.as_deref(),
     )

@@ -64,6 +64,7 @@ fn status(e: StateError) -> Status {
             Status::not_found(e.to_string())
         }
         StateError::NoTimeline(_) => Status::failed_precondition(e.to_string()),
+        StateError::InvalidTag { .. } => Status::invalid_argument(e.to_string()),
     }
 }
 
@@ -98,6 +99,9 @@ impl SchedulerService {
                 let mut state = State::new();
                 state
                     .set_ticket_secret(config.worker_token.as_ref().map(|t| t.as_bytes().to_vec()));
+                for (tenant, policy) in config.tenants.iter().flat_map(|t| t.policies()) {
+                    state.set_tenant_policy(tenant, *policy);
+                }
                 state
             })),
             config,
@@ -217,6 +221,9 @@ impl Scheduler for SchedulerService {
                             Some(FromWorker::Failed(failed)) => {
                                 state.task_failed(&worker_id, failed)
                             }
+                            Some(FromWorker::Retracted(retracted)) => {
+                                state.retracted(&worker_id, retracted)
+                            }
                             Some(FromWorker::Register(_)) | None => Vec::new(),
                         };
                         send(out);
@@ -254,6 +261,7 @@ impl Scheduler for SchedulerService {
         let tenant = self.tenant(&request)?;
         let request = request.into_inner();
         let keep_timeline = request.keep_timeline;
+        let priority = request.priority;
         let Some(spec) = request.job else {
             return Err(Status::invalid_argument("the request has no job"));
         };
@@ -263,11 +271,11 @@ impl Scheduler for SchedulerService {
             .map_err(|e| Status::invalid_argument(format!("job `{}`: {e}", spec.name)))?;
         let mut state = self.state();
         let name = spec.name.clone();
-        let (job_id, _) = state.submit(&tenant, spec);
+        let (job_id, _) = state.submit_at(&tenant, spec, priority);
         if keep_timeline {
             state.keep_timeline(&tenant, &job_id).map_err(status)?;
         }
-        tracing::info!(job = %job_id, %name, "job submitted");
+        tracing::info!(job = %job_id, %name, priority, "job submitted");
         send(state.dispatch());
         Ok(Response::new(SubmitJobResponse { job_id }))
     }
