@@ -27,6 +27,7 @@ use crate::tags::{self, TagError};
 use crate::tenants::TenantPolicy;
 
 mod queue;
+mod requirements;
 mod shuffle;
 mod steal;
 mod views;
@@ -773,59 +774,6 @@ impl State {
     /// Applies a tenant's weight and quotas (from the tenants file).
     pub fn set_tenant_policy(&mut self, tenant: &str, policy: TenantPolicy) {
         self.ready.set_policy(tenant, policy);
-    }
-
-    /// Whether some connected worker has every tag in `requires`.
-    fn satisfiable(&mut self, requires: &[String]) -> bool {
-        if let Some(&known) = self.satisfiable.get(requires) {
-            return known;
-        }
-        let known = self.workers.values().any(|w| w.has_tags(requires));
-        self.satisfiable.insert(requires.to_vec(), known);
-        known
-    }
-
-    /// Sets aside a ready task whose stage requires tags no connected worker has, and says so
-    /// in its job's progress.
-    fn park(&mut self, task: TaskRef) {
-        let Some(job) = self.jobs.get_mut(&task.job) else {
-            return;
-        };
-        let requires = job.spec.stages[task.stage as usize].requires.clone();
-        if job.waiting.is_empty() {
-            job.waiting = format!(
-                "waiting for a worker with tags [{}] (stage `{}`)",
-                requires.join(", "),
-                job.spec.stages[task.stage as usize].name
-            );
-            tracing::info!(job = %job.id, "{}", job.waiting);
-            job.publish();
-        }
-        self.parked.entry(requires).or_default().push(task);
-    }
-
-    /// Queues again the parked tasks that worker `worker_id` (just registered) can run.
-    fn unpark(&mut self, worker_id: &str) {
-        let Some(worker) = self.workers.get(worker_id) else {
-            return;
-        };
-        let runnable: Vec<Vec<String>> = self
-            .parked
-            .keys()
-            .filter(|requires| worker.has_tags(requires))
-            .cloned()
-            .collect();
-        for requires in runnable {
-            for task in self.parked.remove(&requires).unwrap_or_default() {
-                if let Some(job) = self.jobs.get_mut(&task.job) {
-                    if !job.waiting.is_empty() {
-                        job.waiting.clear();
-                        job.publish();
-                    }
-                    self.ready.push(job, task);
-                }
-            }
-        }
     }
 
     pub fn heartbeat(&mut self, worker_id: &str, beat: &wrk_proto::Heartbeat) {
