@@ -80,6 +80,9 @@ impl Bars {
             bar.set_position(u64::from(stage.done));
             if stage.running > 0 {
                 bar.set_message(format!("{} running", stage.running));
+            } else if progress.waiting.contains(&format!("`{}`", stage.name)) {
+                // Held back by something other than busy workers (tags no worker has).
+                bar.set_message(progress.waiting.clone());
             } else {
                 bar.set_message("");
             }

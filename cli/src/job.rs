@@ -458,6 +458,38 @@ mod tests {
     }
 
     #[test]
+    fn priorities_and_stage_requirements_are_read_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        write_module(dir.path());
+        let job = dir.path().join("job.toml");
+        std::fs::write(
+            &job,
+            "name='j'\nmodule='m.wasm'\npriority=3\n[[stage]]\nname='a'\nrequires=['gpu','h100']",
+        )
+        .unwrap();
+        let plan = plan_job(&job, &Overrides::default()).unwrap();
+        assert_eq!(plan.priority, 3);
+        assert_eq!(plan.spec.stages[0].requires, ["gpu", "h100"]);
+        let overridden = Overrides {
+            priority: Some(-2),
+            ..Overrides::default()
+        };
+        assert_eq!(plan_job(&job, &overridden).unwrap().priority, -2);
+        std::fs::write(
+            &job,
+            "name='j'\nmodule='m.wasm'\n[[stage]]\nname='a'\nrequires=['GPU']",
+        )
+        .unwrap();
+        let err = format!("{:#}", plan_job(&job, &Overrides::default()).unwrap_err());
+        assert!(
+            err.contains("stage `a` requires tag `GPU`") && err.contains("characters other than"),
+            "{err}"
+        );
+        std::fs::write(&job, "name='j'\nmodule='m.wasm'\n[[stage]]\nname='a'").unwrap();
+        assert_eq!(plan_job(&job, &Overrides::default()).unwrap().priority, 0);
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let err =
             toml::from_str::<JobFile>("name='j'\n[[stage]]\nname='a'\nmodlue='x'").unwrap_err();

@@ -714,6 +714,7 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                         "unspills": w.unspill_count,
                     },
                     "gpu": w.gpu.as_ref().map(|g| gpu_json(g, w.gpu_telemetry.as_ref())),
+                    "tags": w.tags,
                 })
             })
             .collect();
@@ -725,7 +726,13 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                     .as_str_name()
                     .trim_start_matches("JOB_STATE_")
                     .to_lowercase();
-                serde_json::json!({ "id": j.job_id, "name": j.name, "state": state })
+                serde_json::json!({
+                    "id": j.job_id,
+                    "name": j.name,
+                    "state": state,
+                    "priority": j.priority,
+                    "waiting": j.waiting,
+                })
             })
             .collect();
         let document = serde_json::json!({
@@ -769,6 +776,7 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
         if let Some(gpu) = &w.gpu {
             println!("    {}", gpu_line(gpu, w.gpu_telemetry.as_ref()));
         }
+        println!("    tags: {}", w.tags.join(", "));
     }
     println!(
         "scaling: backlog {} tasks (~{:.1} task-seconds); {} workers wanted to finish it within 60 s; retirable: {}",
@@ -784,11 +792,19 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
     println!("jobs: {}", status.jobs.len());
     for j in &status.jobs {
         println!(
-            "  {:<12} {:<24} {}",
+            "  {:<12} {:<24} {}{}",
             j.job_id,
             j.name,
-            job_state(j.state).as_str_name()
+            job_state(j.state).as_str_name(),
+            if j.priority == 0 {
+                String::new()
+            } else {
+                format!("  priority {}", j.priority)
+            }
         );
+        if !j.waiting.is_empty() {
+            println!("    {}", j.waiting);
+        }
     }
     Ok(())
 }

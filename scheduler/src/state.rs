@@ -18,9 +18,9 @@ use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::stage_input::Pattern;
 use wrk_proto::{
     AssignTask, CancelTask, ClusterStatus, JobProgress, JobResult, JobSpec, JobState, JobSummary,
-    OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, ReleaseTasks, Retracted,
-    ScalingAdvice, SchedulerMessage, StageProgress, TaskDone, TaskFailed, TaskId, TaskInput,
-    WorkerStatus, task_input,
+    OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, ReleaseTasks, ScalingAdvice,
+    SchedulerMessage, StageProgress, TaskDone, TaskFailed, TaskId, TaskInput, WorkerStatus,
+    task_input,
 };
 
 use crate::tags::{self, TagError};
