@@ -198,7 +198,7 @@ mod tests {
 
     use super::super::tests::{T, add_worker, assigned, job_state, worker_of};
     use super::super::*;
-    use wrk_proto::{Stage, StageInput};
+    use wrk_proto::{Retracted, Stage, StageInput};
 
     /// A worker as the real one behaves: it starts assigned tasks in order, one per slot, and
     /// gives back a task asked for only if it has not started it.
