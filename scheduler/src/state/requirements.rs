@@ -174,6 +174,62 @@ mod tests {
         assert!(progress.borrow().waiting.is_empty());
     }
 
+    #[test]
+    fn reducer_partitions_of_a_tagged_stage_are_received_on_tagged_workers() {
+        let mut state = State::new();
+        add_tagged(&mut state, "a", &[], None).unwrap();
+        add_tagged(&mut state, "b", &["big"], None).unwrap();
+        let spec = JobSpec {
+            name: "shuffle".into(),
+            stages: vec![
+                Stage {
+                    name: "map".into(),
+                    module_hash: "h".into(),
+                    num_tasks: 4,
+                    ..Default::default()
+                },
+                Stage {
+                    name: "reduce".into(),
+                    module_hash: "h".into(),
+                    num_tasks: 4,
+                    inputs: vec![wrk_proto::StageInput {
+                        stage: 0,
+                        pattern: Pattern::Shuffle as i32,
+                        exchange: "x".into(),
+                    }],
+                    requires: vec!["big".into()],
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let (id, _) = state.submit(T, spec);
+        let mut pending = assigned(&state.dispatch());
+        let mut reducers = 0;
+        while let Some(task) = pending.pop() {
+            if task.stage_name == "map" {
+                for send in &task.sends {
+                    assert!(send.peers.iter().all(|p| p.worker_id == "b"), "{send:?}");
+                }
+            }
+            let worker = worker_of(&state, &task);
+            if task.stage_name == "reduce" {
+                assert_eq!(worker, "b");
+                reducers += 1;
+            }
+            pending.extend(assigned(&state.task_done(
+                &worker,
+                TaskDone {
+                    task: task.task.clone(),
+                    outputs: Vec::new(),
+                    stats: None,
+                },
+            )));
+        }
+        assert_eq!(reducers, 4);
+        assert_eq!(job_state_of(&state, &id), JobState::Succeeded);
+    }
+
     fn job_state_of(state: &State, id: &str) -> JobState {
         state.result(T, id).unwrap().state()
     }
