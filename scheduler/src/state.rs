@@ -1384,7 +1384,6 @@ impl State {
         let stage_done =
             job.done[task.stage as usize] == job.spec.stages[task.stage as usize].num_tasks;
         let mut exchanges_complete = false;
-        let mut now_ready = Vec::new();
         for &(consumer, pattern) in &job.consumers[task.stage as usize] {
             let indices: Vec<u32> = match pattern {
                 Pattern::OneToOne => vec![task.index],
@@ -1401,11 +1400,17 @@ impl State {
                 let entry = &mut job.tasks[consumer as usize][index as usize];
                 if let TaskStatus::Waiting(n) = entry.status {
                     entry.status = if n <= 1 {
-                        now_ready.push(TaskRef {
-                            job: task.job,
-                            stage: consumer,
-                            index,
-                        });
+                        self.ready.push_to(
+                            job.queue_tenant,
+                            job.priority,
+                            // A consumer stage reads earlier stages' outputs by definition.
+                            true,
+                            TaskRef {
+                                job: task.job,
+                                stage: consumer,
+                                index,
+                            },
+                        );
                         TaskStatus::Ready
                     } else {
                         TaskStatus::Waiting(n - 1)
@@ -1413,7 +1418,6 @@ impl State {
                 }
             }
         }
-        self.ready.extend(job, now_ready);
         if exchanges_complete {
             job.mappers_all_done(task.stage);
             let ready = job.recount_ready(task.job);

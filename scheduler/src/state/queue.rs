@@ -135,22 +135,28 @@ impl ReadyQueue {
         self.len
     }
 
-    fn level(&mut self, job: &Job) -> &mut Level {
-        let tenant = &mut self.tenants[job.queue_tenant];
-        if tenant.queued == 0 {
-            self.active.push(job.queue_tenant);
+    fn level(&mut self, tenant: usize, priority: i32) -> &mut Level {
+        let queue = &mut self.tenants[tenant];
+        if queue.queued == 0 {
+            self.active.push(tenant);
         }
-        tenant.queued += 1;
+        queue.queued += 1;
         self.len += 1;
-        tenant.levels.entry(Reverse(job.priority)).or_default()
+        queue.levels.entry(Reverse(priority)).or_default()
     }
 
     /// Queues a ready task of `job` behind the others of its tenant and priority.
     pub(super) fn push(&mut self, job: &Job, task: TaskRef) {
+        let consumer = job.reads_outputs(task.stage);
+        self.push_to(job.queue_tenant, job.priority, consumer, task);
+    }
+
+    /// [`ReadyQueue::push`] by the job's tenant number and priority, and whether the task
+    /// reads earlier stages' outputs.
+    pub(super) fn push_to(&mut self, tenant: usize, priority: i32, consumer: bool, task: TaskRef) {
         let seq = self.next_seq;
         self.next_seq += 1;
-        let consumer = job.reads_outputs(task.stage);
-        let level = self.level(job);
+        let level = self.level(tenant, priority);
         let queue = if consumer {
             &mut level.consumers
         } else {
@@ -168,7 +174,7 @@ impl ReadyQueue {
     /// Puts back a task taken with [`ReadyQueue::pop`] that could not start, in its old place.
     pub(super) fn push_front(&mut self, job: &Job, queued: Queued) {
         let consumer = job.reads_outputs(queued.task.stage);
-        let level = self.level(job);
+        let level = self.level(job.queue_tenant, job.priority);
         let queue = if consumer {
             &mut level.consumers
         } else {
