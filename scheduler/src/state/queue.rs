@@ -232,7 +232,7 @@ impl ReadyQueue {
         tenant.held_bytes = (tenant.held_bytes + after.1).saturating_sub(before.1);
     }
 
-    /// Tenant `slot`'s tasks running and bytes held, as accounted.
+    /// Tenant `name`'s tasks running and bytes held, as accounted.
     #[cfg(test)]
     pub(super) fn usage(&self, name: &str) -> (u32, u64) {
         let tenant = &self.tenants[self.by_name[name]];
