@@ -80,6 +80,9 @@ impl Bars {
             bar.set_position(u64::from(stage.done));
             if stage.running > 0 {
                 bar.set_message(format!("{} running", stage.running));
+            } else if progress.waiting.contains(&format!("`{}`", stage.name)) {
+                // Held back by something other than busy workers (tags no worker has).
+                bar.set_message(progress.waiting.clone());
             } else {
                 bar.set_message("");
             }
@@ -113,15 +116,16 @@ pub async fn run_job(
     spec: JobSpec,
     show_progress: bool,
 ) -> Result<JobOutcome> {
-    run_job_with_report(url, token, spec, show_progress, None).await
+    run_job_with_report(url, token, spec, 0, show_progress, None).await
 }
 
-/// [`run_job`], writing the job's performance report (see [`crate::report`]) to `report` once
-/// it has ended, succeeded or not.
+/// [`run_job`] at `priority` (among the tenant's jobs, higher first), writing the job's
+/// performance report (see [`crate::report`]) to `report` once it has ended, succeeded or not.
 pub async fn run_job_with_report(
     url: &str,
     token: Option<&str>,
     spec: JobSpec,
+    priority: i32,
     show_progress: bool,
     report: Option<&Path>,
 ) -> Result<JobOutcome> {
@@ -137,6 +141,7 @@ pub async fn run_job_with_report(
         .submit_job(SubmitJobRequest {
             job: Some(spec),
             keep_timeline: report.is_some(),
+            priority,
         })
         .await
         .map_err(|s| anyhow::anyhow!("the scheduler refused job `{name}`: {}", s.message()))?

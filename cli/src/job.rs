@@ -19,10 +19,13 @@
 //! [[stage]]
 //! name = "summary"
 //! inputs = ["distance"]           # every output of `distance`, in one task
+//! requires = ["gpu"]              # only on workers with all these tags (optional)
 //! ```
 //!
 //! `persist = "NAME"` keeps the final stages' outputs on the workers as the tenant's dataset
 //! `NAME`; a stage of a later job reads it with `dataset = "NAME"` (one task per partition).
+//! A top-level `priority = N` (default 0; `wrk submit --priority` overrides it) orders the
+//! tenant's jobs: ready tasks of higher-priority jobs start first.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -50,6 +53,8 @@ pub struct JobFile {
     pub stages: Vec<StageEntry>,
     /// Keep the final stages' outputs on the workers as a dataset of this name.
     pub persist: Option<String>,
+    /// Among the tenant's jobs, higher starts first.
+    pub priority: Option<i32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -86,6 +91,9 @@ pub struct StageEntry {
     pub tasks: Option<u32>,
     #[serde(default)]
     pub params: BTreeMap<String, toml::Value>,
+    /// Worker tags the stage's tasks need, all of them.
+    #[serde(default)]
+    pub requires: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -122,6 +130,15 @@ pub struct Overrides {
     pub module: Option<PathBuf>,
     /// Persists the job's output as this dataset (`--persist`), overriding the file's `persist`.
     pub persist: Option<String>,
+    /// Replaces the job file's `priority`.
+    pub priority: Option<i32>,
+}
+
+/// A planned job: its graph and the priority to submit it at.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub spec: JobSpec,
+    pub priority: i32,
 }
 
 fn param_text(value: &toml::Value) -> String {
@@ -171,9 +188,17 @@ pub fn load(path: &Path) -> Result<JobFile> {
 
 /// Builds the job graph of a job file located at `path`.
 pub fn plan(path: &Path, overrides: &Overrides) -> Result<JobSpec> {
+    plan_job(path, overrides).map(|plan| plan.spec)
+}
+
+/// [`plan`], with the priority to submit the job at (the override, else the file's, else 0).
+pub fn plan_job(path: &Path, overrides: &Overrides) -> Result<Plan> {
     let file = load(path)?;
+    let priority = overrides.priority.or(file.priority).unwrap_or(0);
     let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    build_spec(file, &base, overrides).with_context(|| format!("job file `{}`", path.display()))
+    let spec = build_spec(file, &base, overrides)
+        .with_context(|| format!("job file `{}`", path.display()))?;
+    Ok(Plan { spec, priority })
 }
 
 fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSpec> {
@@ -317,6 +342,10 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             // A reducer stage has as many partitions as it has mappers unless it says otherwise.
             entry.tasks.or(mapper_tasks).unwrap_or(1)
         };
+        for tag in &entry.requires {
+            wrk_scheduler::tags::check(tag)
+                .with_context(|| format!("stage `{}` requires tag `{tag}`", entry.name))?;
+        }
         stage_index.insert(entry.name.clone(), stages.len() as u32);
         stages.push(Stage {
             name: entry.name.clone(),
@@ -330,6 +359,7 @@ fn build_spec(file: JobFile, base: &Path, overrides: &Overrides) -> Result<JobSp
             partitions,
             inputs,
             dataset: entry.dataset.clone().unwrap_or_default(),
+            requires: entry.requires.clone(),
         });
     }
     Ok(JobSpec {
@@ -449,6 +479,38 @@ mod tests {
         let spec = build_spec(file, dir.path(), &overrides).unwrap();
         let names: Vec<&str> = spec.modules.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, ["other.wasm", "m.wasm"]);
+    }
+
+    #[test]
+    fn priorities_and_stage_requirements_are_read_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        write_module(dir.path());
+        let job = dir.path().join("job.toml");
+        std::fs::write(
+            &job,
+            "name='j'\nmodule='m.wasm'\npriority=3\n[[stage]]\nname='a'\nrequires=['gpu','h100']",
+        )
+        .unwrap();
+        let plan = plan_job(&job, &Overrides::default()).unwrap();
+        assert_eq!(plan.priority, 3);
+        assert_eq!(plan.spec.stages[0].requires, ["gpu", "h100"]);
+        let overridden = Overrides {
+            priority: Some(-2),
+            ..Overrides::default()
+        };
+        assert_eq!(plan_job(&job, &overridden).unwrap().priority, -2);
+        std::fs::write(
+            &job,
+            "name='j'\nmodule='m.wasm'\n[[stage]]\nname='a'\nrequires=['GPU']",
+        )
+        .unwrap();
+        let err = format!("{:#}", plan_job(&job, &Overrides::default()).unwrap_err());
+        assert!(
+            err.contains("stage `a` requires tag `GPU`") && err.contains("characters other than"),
+            "{err}"
+        );
+        std::fs::write(&job, "name='j'\nmodule='m.wasm'\n[[stage]]\nname='a'").unwrap();
+        assert_eq!(plan_job(&job, &Overrides::default()).unwrap().priority, 0);
     }
 
     #[test]

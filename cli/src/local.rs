@@ -135,6 +135,7 @@ impl LocalCluster {
                     request: wrk_host::gpu::detect::DeviceRequest::Cpu,
                     pool_bytes: None,
                 },
+                tags: Vec::new(),
             };
             let worker_stop = stop_rx.clone();
             tasks.push(tokio::spawn(async move {

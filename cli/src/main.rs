@@ -260,6 +260,10 @@ struct SubmitArgs {
     /// for later jobs to read with `dataset = "NAME"`. Needs --scheduler.
     #[arg(long)]
     persist: Option<String>,
+    /// The job's priority among your jobs: higher starts first (default: the job file's
+    /// `priority`, else 0).
+    #[arg(long, allow_negative_numbers = true)]
+    priority: Option<i32>,
 }
 
 #[derive(clap::Args)]
@@ -319,6 +323,18 @@ struct WorkerArgs {
     /// which the operator sets from the pod's memory limit, sizes host memory, not this.)
     #[arg(long, env = "WRK_DEVICE_POOL_BYTES")]
     device_pool_size: Option<SizeSpec>,
+    /// Tags this worker offers to stages that require them (`requires = ["gpu"]` in a job
+    /// file), comma-separated, each of `a-z 0-9 . _ : -`; `gpu` with the GPU's model and MIG
+    /// profile, or `cpu`, are added automatically.
+    #[arg(long, env = "WRK_WORKER_TAGS", value_delimiter = ',', value_parser = parse_tag)]
+    tags: Vec<String>,
+}
+
+/// One `--tags` entry, checked as the scheduler checks it.
+fn parse_tag(text: &str) -> Result<String, String> {
+    wrk_scheduler::tags::check(text)
+        .map(|()| text.to_string())
+        .map_err(|e| e.to_string())
 }
 
 /// The device pool's size from `--device-pool-size`: bytes only (the default already is a share
@@ -530,6 +546,7 @@ async fn run() -> Result<()> {
                     request: args.device,
                     pool_bytes: device_pool_bytes(args.device_pool_size)?,
                 },
+                tags: args.tags,
             };
             wrk_host::worker::run_retirable(config, shutdown_signal(), terminated()).await?;
             Ok(())
@@ -690,9 +707,11 @@ async fn submit(args: SubmitArgs) -> Result<()> {
         sinks: args.sinks,
         module: args.module,
         persist: args.persist,
+        priority: args.priority,
     };
     let job_path = args.job.clone();
-    let spec = tokio::task::spawn_blocking(move || job::plan(&job_path, &overrides)).await??;
+    let job::Plan { spec, priority } =
+        tokio::task::spawn_blocking(move || job::plan_job(&job_path, &overrides)).await??;
     let name = spec.name.clone();
     let persist = spec.persist.clone();
     let (url, cluster) = match args.scheduler {
@@ -725,6 +744,7 @@ async fn submit(args: SubmitArgs) -> Result<()> {
         &url,
         args.token.as_deref(),
         spec,
+        priority,
         !args.quiet,
         args.report.as_deref(),
     )
@@ -833,6 +853,7 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                         "unspills": w.unspill_count,
                     },
                     "gpu": w.gpu.as_ref().map(|g| gpu_json(g, w.gpu_telemetry.as_ref())),
+                    "tags": w.tags,
                 })
             })
             .collect();
@@ -844,7 +865,13 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
                     .as_str_name()
                     .trim_start_matches("JOB_STATE_")
                     .to_lowercase();
-                serde_json::json!({ "id": j.job_id, "name": j.name, "state": state })
+                serde_json::json!({
+                    "id": j.job_id,
+                    "name": j.name,
+                    "state": state,
+                    "priority": j.priority,
+                    "waiting": j.waiting,
+                })
             })
             .collect();
         let document = serde_json::json!({
@@ -888,6 +915,7 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
         if let Some(gpu) = &w.gpu {
             println!("    {}", gpu_line(gpu, w.gpu_telemetry.as_ref()));
         }
+        println!("    tags: {}", w.tags.join(", "));
     }
     println!(
         "scaling: backlog {} tasks (~{:.1} task-seconds); {} workers wanted to finish it within 60 s; retirable: {}",
@@ -903,11 +931,19 @@ async fn status(url: &str, token: Option<&str>, format: StatusFormat) -> Result<
     println!("jobs: {}", status.jobs.len());
     for j in &status.jobs {
         println!(
-            "  {:<12} {:<24} {}",
+            "  {:<12} {:<24} {}{}",
             j.job_id,
             j.name,
-            job_state(j.state).as_str_name()
+            job_state(j.state).as_str_name(),
+            if j.priority == 0 {
+                String::new()
+            } else {
+                format!("  priority {}", j.priority)
+            }
         );
+        if !j.waiting.is_empty() {
+            println!("    {}", j.waiting);
+        }
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The worker process: it serves its partitions to peers, attaches to the scheduler, registers,
 //! heartbeats, and runs the tasks it is assigned, keeping their outputs in its partition store.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,7 +20,8 @@ use wrk_proto::worker_message::Kind as ToScheduler;
 use wrk_proto::worker_server::WorkerServer;
 use wrk_proto::{
     AssignTask, FetchPartitions, GetModuleRequest, Heartbeat, MAX_MESSAGE_BYTES, OutputMeta,
-    PartitionsFetched, Register, RetireRequest, TaskDone, TaskFailed, TaskStats, WorkerMessage,
+    PartitionsFetched, Register, RetireRequest, Retracted, TaskDone, TaskFailed, TaskId, TaskStats,
+    WorkerMessage,
 };
 
 use crate::device::{DeviceConfig, DeviceError, WorkerDevice};
@@ -63,6 +64,9 @@ pub struct WorkerConfig {
     pub spill_root: PathBuf,
     /// The device to drive (`--device`) and its pool size.
     pub device: DeviceConfig,
+    /// Tags offered to stages that require them (`--tags`); the scheduler adds the automatic
+    /// ones (`gpu` and the GPU's model and MIG profile, or `cpu`).
+    pub tags: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -113,6 +117,10 @@ struct Shared {
     metrics: WorkerMetrics,
     /// Cancel flags of the tasks assigned here, by job, stage and index.
     cancels: std::sync::Mutex<HashMap<TaskKey, Arc<AtomicBool>>>,
+    /// Attempts assigned here that have not started (waiting for a slot), which the scheduler
+    /// may still retract to give them to an idle worker; an attempt leaves the set when it
+    /// starts or is retracted, whichever comes first.
+    queued: std::sync::Mutex<HashSet<AttemptKey>>,
     /// One permit per slot: the scheduler may queue more tasks here than run at once.
     slots: tokio::sync::Semaphore,
     running: std::sync::atomic::AtomicU32,
@@ -272,6 +280,7 @@ pub async fn run_retirable(
         shuffle_address: format!("{host}:{shuffle_port}"),
         ucx_address: shuffle.ucx_address(),
         gpu: device.gpu_info(),
+        tags: config.tags.clone(),
     };
     let _ = outbox
         .send(WorkerMessage {
@@ -324,6 +333,7 @@ pub async fn run_retirable(
         scheduler,
         outbox: outbox.clone(),
         cancels: Default::default(),
+        queued: Default::default(),
         slots: tokio::sync::Semaphore::new(config.slots.max(1) as usize),
         running: Default::default(),
     });
@@ -371,6 +381,15 @@ pub async fn run_retirable(
                     Some(FromScheduler::ReleaseTasks(release)) => {
                         for task in &release.tasks {
                             shared.store.release_task(&release.job_id, task.stage, task.index);
+                        }
+                    }
+                    Some(FromScheduler::Retract(retract)) => {
+                        if let Some(task) = retract.task {
+                            let dropped = shared.retract(&task);
+                            tracing::debug!(task = %task, dropped, "retract requested");
+                            let _ = outbox.send(WorkerMessage {
+                                kind: Some(ToScheduler::Retracted(Retracted { task: Some(task), dropped })),
+                            }).await;
                         }
                     }
                     Some(FromScheduler::Cancel(cancel)) => {
@@ -513,6 +532,14 @@ fn task_key(task: &AssignTask) -> TaskKey {
     (id.job_id, id.stage, id.index)
 }
 
+/// A task attempt's identity on this worker: job, stage, index, attempt.
+type AttemptKey = (String, u32, u32, u32);
+
+fn attempt_key(id: Option<&TaskId>) -> AttemptKey {
+    let id = id.cloned().unwrap_or_default();
+    (id.job_id, id.stage, id.index, id.attempt)
+}
+
 impl Shared {
     /// Records a newly assigned task; returns the flag that cancels it.
     fn register(&self, task: &AssignTask) -> Arc<AtomicBool> {
@@ -520,7 +547,25 @@ impl Shared {
         if let Ok(mut cancels) = self.cancels.lock() {
             cancels.insert(task_key(task), cancel.clone());
         }
+        if let Ok(mut queued) = self.queued.lock() {
+            queued.insert(attempt_key(task.task.as_ref()));
+        }
         cancel
+    }
+
+    /// Gives back a queued attempt the scheduler retracts: true when it had not started (it
+    /// never will here), false when it started already (it runs and reports as usual).
+    fn retract(&self, task: &TaskId) -> bool {
+        self.queued
+            .lock()
+            .is_ok_and(|mut queued| queued.remove(&attempt_key(Some(task))))
+    }
+
+    /// Whether a queued attempt may start now (it was not retracted); it leaves the queued set.
+    fn begin(&self, task: &AssignTask) -> bool {
+        self.queued
+            .lock()
+            .is_ok_and(|mut queued| queued.remove(&attempt_key(task.task.as_ref())))
     }
 
     /// Stops the tasks whose key matches, running or queued.
@@ -542,6 +587,13 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask, cancel: Arc<AtomicB
     let Ok(_slot) = shared.slots.acquire().await else {
         return; // the semaphore is never closed
     };
+    if !shared.begin(&task) {
+        // Retracted while queued: the scheduler gave it to another worker.
+        if let Ok(mut cancels) = shared.cancels.lock() {
+            cancels.remove(&key);
+        }
+        return;
+    }
     shared.running.fetch_add(1, Ordering::Relaxed);
     shared.metrics.running_tasks.inc();
     tracing::debug!(worker = %shared.worker_id, task = %id, stage = %task.stage_name, "task started");

@@ -55,6 +55,11 @@ pub enum GraphError {
     },
     #[error("stage `{stage}` runs module {hash}, which the job does not include")]
     UnknownModule { stage: String, hash: String },
+    #[error("stage `{stage}` requires an invalid worker tag: {source}")]
+    InvalidTag {
+        stage: String,
+        source: crate::tags::TagError,
+    },
     #[error("module `{name}` does not match its hash: declared {declared}, actual {actual}")]
     ModuleHash {
         name: String,
@@ -101,6 +106,12 @@ pub fn validate(spec: &JobSpec, known_modules: &HashSet<String>) -> Result<(), G
             return Err(GraphError::NoTasks {
                 stage: stage.name.clone(),
             });
+        }
+        for tag in &stage.requires {
+            crate::tags::check(tag).map_err(|source| GraphError::InvalidTag {
+                stage: stage.name.clone(),
+                source,
+            })?;
         }
         if !stage.partitions.is_empty() && stage.partitions.len() != stage.num_tasks as usize {
             return Err(GraphError::PartitionCount {

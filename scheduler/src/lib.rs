@@ -6,7 +6,8 @@
 //!
 //! - [`graph`]: validation of submitted job graphs.
 //! - [`state`]: the task state machine, placement, retries, recovery from lost workers.
-//! - [`tenants`]: tenants and their tokens.
+//! - [`tenants`]: tenants, their tokens, weights and quotas.
+//! - [`tags`]: worker tags and the stage requirements they meet.
 //! - [`metrics`]: Prometheus metrics.
 //! - [`timeline`]: bounded records of task executions and transfers, for dashboards and reports.
 //! - [`dashboard`]: the live web dashboard and its JSON endpoints.
@@ -17,6 +18,7 @@ pub mod graph;
 pub mod metrics;
 pub mod service;
 pub mod state;
+pub mod tags;
 pub mod tenants;
 pub mod timeline;
 

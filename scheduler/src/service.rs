@@ -78,6 +78,7 @@ fn status(e: StateError) -> Status {
         StateError::NoTimeline(_)
         | StateError::DatasetUnavailable { .. }
         | StateError::NoOtherWorker(_) => Status::failed_precondition(e.to_string()),
+        StateError::InvalidTag { .. } => Status::invalid_argument(e.to_string()),
     }
 }
 
@@ -133,6 +134,9 @@ impl SchedulerService {
                 let mut state = State::new();
                 state
                     .set_ticket_secret(config.worker_token.as_ref().map(|t| t.as_bytes().to_vec()));
+                for (tenant, policy) in config.tenants.iter().flat_map(|t| t.policies()) {
+                    state.set_tenant_policy(tenant, *policy);
+                }
                 state
             })),
             tenants: Arc::new(RwLock::new(config.tenants.clone())),
@@ -264,6 +268,9 @@ impl Scheduler for SchedulerService {
                             Some(FromWorker::Retire(request)) => {
                                 retire_on_request(&mut state, &worker_id, &request.reason)
                             }
+                            Some(FromWorker::Retracted(retracted)) => {
+                                state.retracted(&worker_id, retracted)
+                            }
                             Some(FromWorker::Register(_)) | None => Vec::new(),
                         };
                         send(out);
@@ -303,6 +310,7 @@ impl Scheduler for SchedulerService {
         let tenant = self.tenant(&request)?;
         let request = request.into_inner();
         let keep_timeline = request.keep_timeline;
+        let priority = request.priority;
         let Some(mut spec) = request.job else {
             return Err(Status::invalid_argument("the request has no job"));
         };
@@ -331,14 +339,14 @@ impl Scheduler for SchedulerService {
         }
         let name = spec.name.clone();
         let persist = spec.persist.clone();
-        let (job_id, _) = state.submit(&tenant, spec);
+        let (job_id, _) = state.submit_at(&tenant, spec, priority);
         state
             .register_datasets(&tenant, &job_id, reads, &persist)
             .map_err(status)?;
         if keep_timeline {
             state.keep_timeline(&tenant, &job_id).map_err(status)?;
         }
-        tracing::info!(job = %job_id, %name, "job submitted");
+        tracing::info!(job = %job_id, %name, priority, "job submitted");
         send(state.dispatch());
         Ok(Response::new(SubmitJobResponse { job_id }))
     }

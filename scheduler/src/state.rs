@@ -23,13 +23,21 @@ use wrk_proto::{
     task_input,
 };
 
+use crate::tags::{self, TagError};
+use crate::tenants::TenantPolicy;
+
 mod datasets;
 mod moves;
+mod queue;
+mod requirements;
 mod retire;
 mod shuffle;
+mod steal;
 mod views;
 
 pub use datasets::Read;
+use queue::ReadyQueue;
+
 pub use views::{
     ExecutionView, JobView, JobsView, Page, StageView, TransferView, WorkerView, WorkersView,
     state_name,
@@ -54,6 +62,11 @@ const DEFAULT_TASK_SECONDS: f64 = 0.5;
 /// Attempts of a task that failed with a retriable error before the job fails.
 pub const MAX_ATTEMPTS: u32 = 4;
 
+/// Ready tasks one dispatch sets aside because the workers they must run on (their reducer
+/// partition's, or those with their stage's tags) are busy, before it stops looking further
+/// down the queue: bounds the work of one event when many such tasks queue up.
+const MAX_SET_ASIDE: usize = 1024;
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StateError {
     #[error("a worker with id `{0}` is already registered")]
@@ -62,6 +75,8 @@ pub enum StateError {
     UnknownJob(String),
     #[error("no module with hash {0}")]
     UnknownModule(String),
+    #[error("worker `{worker}` offers an invalid tag: {source}")]
+    InvalidTag { worker: String, source: TagError },
     #[error(
         "job `{0}` keeps no timeline: it was submitted without asking for one (wrk submit --report), or it was released, or too many jobs finished since"
     )]
@@ -109,6 +124,9 @@ struct TaskEntry {
     workers_lost: u32,
     /// A finished task whose outputs were dropped because nothing needed them any more.
     outputs_released: bool,
+    /// Attempts given back unstarted by a busy worker for an idle one (work stealing), which
+    /// do not count as tries.
+    stolen: u32,
 }
 
 struct Job {
@@ -141,6 +159,20 @@ struct Job {
     finished_us: Option<u64>,
     /// Where each reducer stage's partitions are received, and what mappers owe.
     shuffles: Vec<shuffle::Placement>,
+    /// Its tenant's number in the ready queue, and its priority among the tenant's jobs.
+    queue_tenant: usize,
+    priority: i32,
+    /// Tasks running (or queued on workers), and bytes of finished outputs not released,
+    /// kept with every status change; and their values as last added to the tenant's use.
+    running_total: u32,
+    held: u64,
+    accounted: (u32, u64),
+    /// Why ready tasks are held back other than by busy workers (see `JobProgress.waiting`).
+    waiting: String,
+}
+
+fn output_bytes(outputs: &[OutputMeta]) -> u64 {
+    outputs.iter().map(|o| o.bytes).sum()
 }
 
 struct Worker {
@@ -150,10 +182,23 @@ struct Worker {
     http_address: String,
     slots: u32,
     /// Tasks assigned to the worker (running, or queued there), with the bytes each is
-    /// expected to hold in the worker's pool.
-    running: HashMap<(u64, u32, u32), u64>,
-    /// Whether the worker is in the scheduler's idle queue.
+    /// expected to hold in the worker's pool and the order they were assigned in (the worker
+    /// starts them in that order).
+    running: HashMap<(u64, u32, u32), (u64, u64)>,
+    /// Whether the worker is in the scheduler's idle queue, its open queue (a free slot to
+    /// run in, not only to queue in) and its overloaded queue (tasks queued, stealable).
     idle_queued: bool,
+    open_queued: bool,
+    overload_queued: bool,
+    /// Its tags, the automatic ones included, sorted.
+    tags: Vec<String>,
+    /// Tasks queued here that the scheduler asked back to give to an idle worker (the thief),
+    /// and how many such tasks are on their way to this worker as a thief.
+    retracting: HashMap<(u64, u32, u32), String>,
+    expecting: u32,
+    /// The latest assignment (by order) the worker said it had started when asked back: it
+    /// and every earlier one are not worth asking for.
+    started_through: u64,
     outbox: WorkerOutbox,
     last_seen: Instant,
     /// Where it receives shuffle pieces over TCP, and its UCX address (empty without UCX).
@@ -188,7 +233,26 @@ impl Worker {
 
     /// Pool bytes the tasks assigned here are expected to hold.
     fn committed(&self) -> u64 {
-        self.running.values().sum()
+        self.running.values().map(|(bytes, _)| bytes).sum()
+    }
+
+    /// Whether a slot is free to run a task now (not only to queue one).
+    fn has_open_slot(&self) -> bool {
+        !self.retiring && (self.running.len() as u32) < self.slots
+    }
+
+    /// Whether the worker has every tag in `requires` (sorted or not).
+    fn has_tags(&self, requires: &[String]) -> bool {
+        requires
+            .iter()
+            .all(|tag| self.tags.binary_search(tag).is_ok())
+    }
+
+    /// Tasks assigned beyond its slots, not being asked back: queued, and stealable.
+    fn stealable(&self) -> usize {
+        self.running
+            .len()
+            .saturating_sub(self.slots as usize + self.retracting.len())
     }
 
     /// Whether a task expected to hold `bytes` fits beside the tasks assigned here (a worker
@@ -223,10 +287,21 @@ pub struct State {
     jobs: HashMap<u64, Job>,
     job_ids: HashMap<String, u64>,
     modules: HashMap<String, StoredModule>,
-    ready: VecDeque<TaskRef>,
+    ready: ReadyQueue,
     /// Workers that may have room for a task, in round-robin order (entries are checked when
     /// taken, so a full or departed worker may linger until then).
     idle: VecDeque<String>,
+    /// Workers that may have a slot free to run a task at once, likewise.
+    open: VecDeque<String>,
+    /// Workers that may hold queued tasks another worker could steal, likewise.
+    overloaded: VecDeque<String>,
+    /// Numbers assignments in order, per worker the order it starts them in.
+    assignments: u64,
+    /// Whether some connected worker has every tag of a requirement, cached until workers
+    /// come or go.
+    satisfiable: HashMap<Vec<String>, bool>,
+    /// Ready tasks whose stage requires tags no connected worker has, by requirement.
+    parked: HashMap<Vec<String>, Vec<TaskRef>>,
     next_job: u64,
     metrics: SchedulerMetrics,
     /// Signs partition locations when the cluster has a worker token.
@@ -257,7 +332,7 @@ fn expected_bytes(job: &Job, task: TaskRef) -> u64 {
         .inputs_of(task.stage, task.index)
         .into_iter()
         .filter_map(|(s, i)| match &job.tasks[s as usize][i as usize].status {
-            TaskStatus::Done { outputs, .. } => Some(outputs.iter().map(|o| o.bytes).sum::<u64>()),
+            TaskStatus::Done { outputs, .. } => Some(output_bytes(outputs)),
             _ => None,
         })
         .sum();
@@ -286,26 +361,42 @@ impl Job {
             .collect()
     }
 
-    /// Changes a task's status, keeping the done/running counters true.
+    /// Changes a task's status, keeping the done/running counters and held bytes true.
     fn set_status(&mut self, stage: u32, index: u32, status: TaskStatus) {
         let (s, i) = (stage as usize, index as usize);
-        match self.tasks[s][i].status {
-            TaskStatus::Done { .. } => {
+        let entry = &self.tasks[s][i];
+        match &entry.status {
+            TaskStatus::Done { outputs, .. } => {
                 self.done[s] -= 1;
                 self.remaining += 1;
+                if !entry.outputs_released {
+                    self.held -= output_bytes(outputs);
+                }
             }
-            TaskStatus::Running { .. } => self.running[s] -= 1,
+            TaskStatus::Running { .. } => {
+                self.running[s] -= 1;
+                self.running_total -= 1;
+            }
             _ => {}
         }
-        match status {
-            TaskStatus::Done { .. } => {
+        match &status {
+            TaskStatus::Done { outputs, .. } => {
                 self.done[s] += 1;
                 self.remaining -= 1;
+                self.held += output_bytes(outputs);
             }
-            TaskStatus::Running { .. } => self.running[s] += 1,
+            TaskStatus::Running { .. } => {
+                self.running[s] += 1;
+                self.running_total += 1;
+            }
             _ => {}
         }
         self.tasks[s][i].status = status;
+    }
+
+    /// Whether the tasks of `stage` read earlier stages' outputs (or shuffle pieces).
+    fn reads_outputs(&self, stage: u32) -> bool {
+        !self.spec.stages[stage as usize].inputs.is_empty()
     }
 
     fn publish(&self) {
@@ -314,6 +405,7 @@ impl Job {
             state: self.state as i32,
             stages: self.stage_progress(),
             error: self.error.clone(),
+            waiting: self.waiting.clone(),
         };
         self.progress.send_replace(progress);
     }
@@ -383,10 +475,11 @@ impl Job {
                 continue;
             }
             let entry = &mut self.tasks[s as usize][i as usize];
-            if let TaskStatus::Done { worker, .. } = &entry.status
+            if let TaskStatus::Done { worker, outputs } = &entry.status
                 && !entry.outputs_released
             {
                 entry.outputs_released = true;
+                self.held -= output_bytes(outputs);
                 by_worker.entry(worker.clone()).or_default().push((s, i));
             }
         }
@@ -611,8 +704,24 @@ fn record(
 /// Messages to send after a state change.
 pub type Outgoing = Vec<(WorkerOutbox, SchedulerMessage)>;
 
+/// Room on a worker: a slot free to run a task at once, or a place in its queue.
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    Run,
+    Queue,
+}
+
 fn message(kind: ToWorker) -> SchedulerMessage {
     SchedulerMessage { kind: Some(kind) }
+}
+
+/// Adds what changed in a job's running tasks and held bytes to its tenant's use.
+fn sync_usage(ready: &mut ReadyQueue, job: &mut Job) {
+    let now = (job.running_total, job.held);
+    if now != job.accounted {
+        ready.account(job.queue_tenant, job.accounted, now);
+        job.accounted = now;
+    }
 }
 
 impl State {
@@ -639,6 +748,16 @@ impl State {
         if self.workers.contains_key(&register.worker_id) {
             return Err(StateError::DuplicateWorker(register.worker_id.clone()));
         }
+        let mut worker_tags = register.tags.clone();
+        for tag in &worker_tags {
+            tags::check(tag).map_err(|source| StateError::InvalidTag {
+                worker: register.worker_id.clone(),
+                source,
+            })?;
+        }
+        worker_tags.extend(tags::automatic(register.gpu.as_ref()));
+        worker_tags.sort();
+        worker_tags.dedup();
         let number = self.worker_names.intern(&register.worker_id);
         self.workers.insert(
             register.worker_id.clone(),
@@ -649,6 +768,12 @@ impl State {
                 slots: register.slots.max(1),
                 running: HashMap::new(),
                 idle_queued: false,
+                open_queued: false,
+                overload_queued: false,
+                tags: worker_tags,
+                retracting: HashMap::new(),
+                expecting: 0,
+                started_through: 0,
                 outbox,
                 last_seen: Instant::now(),
                 shuffle_address: register.shuffle_address.clone(),
@@ -664,8 +789,15 @@ impl State {
                 memory: MemoryHistory::default(),
             },
         );
+        self.satisfiable.clear();
+        self.unpark(&register.worker_id);
         self.requeue_if_free(&register.worker_id);
         Ok(())
+    }
+
+    /// Applies a tenant's weight and quotas (from the tenants file).
+    pub fn set_tenant_policy(&mut self, tenant: &str, policy: TenantPolicy) {
+        self.ready.set_policy(tenant, policy);
     }
 
     pub fn heartbeat(&mut self, worker_id: &str, beat: &wrk_proto::Heartbeat) {
@@ -694,11 +826,22 @@ impl State {
             .collect()
     }
 
-    /// Accepts a validated job; returns its id and a receiver of its progress.
+    /// Accepts a validated job at priority 0; returns its id and a receiver of its progress.
     pub fn submit(
         &mut self,
         tenant: &str,
+        spec: JobSpec,
+    ) -> (String, watch::Receiver<JobProgress>) {
+        self.submit_at(tenant, spec, 0)
+    }
+
+    /// Accepts a validated job whose ready tasks go before those of `tenant`'s jobs of lower
+    /// `priority`; returns its id and a receiver of its progress.
+    pub fn submit_at(
+        &mut self,
+        tenant: &str,
         mut spec: JobSpec,
+        priority: i32,
     ) -> (String, watch::Receiver<JobProgress>) {
         for module in std::mem::take(&mut spec.modules) {
             self.modules.entry(module.hash).or_insert(StoredModule {
@@ -726,6 +869,7 @@ impl State {
                         attempts: 0,
                         workers_lost: 0,
                         outputs_released: false,
+                        stolen: 0,
                     };
                     stage.num_tasks as usize
                 ]
@@ -752,9 +896,16 @@ impl State {
             submitted_us: self.clock.now_us(),
             finished_us: None,
             shuffles: Vec::new(),
+            queue_tenant: self.ready.tenant(tenant),
+            priority,
+            running_total: 0,
+            held: 0,
+            accounted: (0, 0),
+            waiting: String::new(),
         };
         job.shuffles = shuffle::placements(&job.spec);
-        self.ready.extend(job.recount_ready(number));
+        let ready = job.recount_ready(number);
+        self.ready.extend(&job, ready);
         job.publish();
         self.jobs.insert(number, job);
         self.job_ids.insert(id.clone(), number);
@@ -788,19 +939,32 @@ impl State {
         Ok(self.jobs[&number].progress.subscribe())
     }
 
-    /// Assigns ready tasks to workers with free slots, preferring the worker that holds most of
-    /// a task's input bytes, and only where the task's expected working set fits beside the
-    /// tasks already there. A task that fits no pool at all goes to the worker with the most
-    /// free pool (its spilling copes); one that would fit once running work ends waits for it,
-    /// and so do the tasks behind it (no starving a big task with small ones).
+    /// Assigns ready tasks to workers with room, in the ready queue's order (tenants' weighted
+    /// shares, then priorities, then FIFO: see `state/queue.rs`), and only where the task's
+    /// expected working set fits beside the tasks already there and the worker has every tag
+    /// its stage requires. Where, in order of preference:
+    ///
+    /// 1. the worker holding most of the task's input bytes, if a slot is free there to run it;
+    /// 2. any worker with a slot free to run it (round robin): an idle worker beats queueing
+    ///    behind a busy one, as Dask's queueing and Ray's spillback do;
+    /// 3. the worker holding most input bytes, in its queue (one task per slot);
+    /// 4. any worker with room in its queue.
+    ///
+    /// A task that fits no pool at all goes to the worker with the most free pool (its spilling
+    /// copes); one that would fit once running work ends waits for it, and so do the tasks
+    /// behind it (no starving a big task with small ones). A task whose stage requires tags no
+    /// connected worker has is parked until one registers; one whose tagged or pinned workers
+    /// are busy is set aside for the tasks behind it. Then idle slots steal queued tasks
+    /// (`state/steal.rs`).
     pub fn dispatch(&mut self) -> Outgoing {
         let mut out = Vec::new();
-        // Reducers whose worker is full wait for it, behind the tasks that can run now.
-        let mut pinned_waiting = Vec::new();
-        while self.has_free_worker() {
-            let Some(task) = self.ready.pop_front() else {
+        // Tasks whose workers are busy wait for them, behind the tasks that can run now.
+        let mut set_aside = Vec::new();
+        while set_aside.len() < MAX_SET_ASIDE && self.has_free_worker() {
+            let Some(queued) = self.ready.pop() else {
                 break;
             };
+            let task = queued.task;
             match self.dataset_gate(task) {
                 datasets::Gate::Open => {}
                 datasets::Gate::Wait => continue,
@@ -821,9 +985,19 @@ impl State {
             if !self.workers.is_empty() && job.has_dead_targets(task.stage, &self.workers) {
                 // Every worker was lost at some point: place the exchange's partitions again.
                 self.recover_job(task.job);
-                self.ready.push_back(task);
+                if let Some(job) = self.jobs.get(&task.job) {
+                    self.ready.push(job, task);
+                }
                 continue;
             }
+            let requires = job.spec.stages[task.stage as usize].requires.clone();
+            if !requires.is_empty() && !self.satisfiable(&requires) {
+                self.park(task);
+                continue;
+            }
+            let Some(job) = self.jobs.get(&task.job) else {
+                continue;
+            };
             let expected = expected_bytes(job, task) + self.dataset_input_bytes(task);
             if let Some(pinned) = job.pinned_worker(task.stage, task.index) {
                 if self.workers.get(pinned).is_some_and(|w| w.free() > 0) {
@@ -831,42 +1005,61 @@ impl State {
                     out.push(self.start(task, &pinned, expected));
                     self.requeue_if_free(&pinned);
                 } else {
-                    pinned_waiting.push(task);
+                    set_aside.push(queued);
                 }
                 continue;
             }
-            let local = self.local_worker(job, task, expected);
-            let worker_id = match local {
-                Some(local) => local,
-                // Round robin over the workers with room: take the first, requeue it below.
-                None => match self.next_idle_fitting(expected) {
-                    Some(id) => id,
-                    None if self.workers.values().any(|w| w.could_ever_fit(expected)) => {
-                        self.ready.push_front(task);
+            let local = self.local_worker(job, task, expected, &requires);
+            let placed = match local {
+                Some((local, true)) => Some(local),
+                local => self
+                    .next_fitting(Slot::Run, expected, &requires)
+                    .or(local.map(|(id, _)| id))
+                    .or_else(|| self.next_fitting(Slot::Queue, expected, &requires)),
+            };
+            let worker_id = match placed {
+                Some(id) => id,
+                None if !requires.is_empty()
+                    && !self
+                        .workers
+                        .values()
+                        .any(|w| w.has_tags(&requires) && w.free() > 0) =>
+                {
+                    set_aside.push(queued);
+                    continue;
+                }
+                None if self
+                    .workers
+                    .values()
+                    .any(|w| w.has_tags(&requires) && w.could_ever_fit(expected)) =>
+                {
+                    self.requeue_front(queued);
+                    break;
+                }
+                None => match self.most_free_pool(&requires) {
+                    Some(id) => {
+                        tracing::warn!(
+                            worker = %id,
+                            stage = task.stage,
+                            task = task.index,
+                            expected,
+                            "no worker's pool can hold this task's working set; placing it where most of the pool is free"
+                        );
+                        id
+                    }
+                    None => {
+                        self.requeue_front(queued);
                         break;
                     }
-                    None => match self.most_free_pool() {
-                        Some(id) => {
-                            tracing::warn!(
-                                worker = %id,
-                                stage = task.stage,
-                                task = task.index,
-                                expected,
-                                "no worker's pool can hold this task's working set; placing it where most of the pool is free"
-                            );
-                            id
-                        }
-                        None => {
-                            self.ready.push_front(task);
-                            break;
-                        }
-                    },
                 },
             };
             out.push(self.start(task, &worker_id, expected));
             self.requeue_if_free(&worker_id);
         }
-        self.ready.extend(pinned_waiting);
+        for queued in set_aside.into_iter().rev() {
+            self.requeue_front(queued);
+        }
+        out.extend(self.steal());
         out
     }
 
@@ -876,32 +1069,62 @@ impl State {
             return;
         };
         if job.recover(&self.workers, number as usize) > 0 {
-            self.ready.extend(job.recount_ready(number));
+            let ready = job.recount_ready(number);
+            self.ready.extend(job, ready);
+            sync_usage(&mut self.ready, job);
             job.publish();
         }
     }
 
-    /// The first worker of the idle queue whose pool fits `expected` more bytes, taken out of
-    /// the queue (the others keep their places).
-    fn next_idle_fitting(&mut self, expected: u64) -> Option<String> {
-        let position = self.idle.iter().position(|id| {
-            self.workers
-                .get(id)
-                .is_some_and(|w| w.free() > 0 && w.fits(expected))
-        })?;
-        let id = self.idle.remove(position)?;
-        if let Some(w) = self.workers.get_mut(&id) {
-            w.idle_queued = false;
+    /// Puts a task taken from the ready queue back where it was.
+    fn requeue_front(&mut self, queued: queue::Queued) {
+        if let Some(job) = self.jobs.get(&queued.task.job) {
+            self.ready.push_front(job, queued);
         }
-        Some(id)
     }
 
-    /// The worker with a free slot and the most free pool.
-    fn most_free_pool(&mut self) -> Option<String> {
+    /// The first worker of the open queue (a slot free to run in) or of the idle queue (room
+    /// to queue in) whose pool fits `expected` more bytes and which has the tags `requires`,
+    /// taken out of the queue (the others keep their places; stale entries are dropped).
+    fn next_fitting(&mut self, slot: Slot, expected: u64, requires: &[String]) -> Option<String> {
+        let workers = &mut self.workers;
+        let deque = match slot {
+            Slot::Run => &mut self.open,
+            Slot::Queue => &mut self.idle,
+        };
+        let mut i = 0;
+        while i < deque.len() {
+            let Some(w) = workers.get_mut(&deque[i]) else {
+                deque.remove(i);
+                continue;
+            };
+            let room = match slot {
+                Slot::Run => w.has_open_slot(),
+                Slot::Queue => w.free() > 0,
+            };
+            let take = room && w.fits(expected) && w.has_tags(requires);
+            if !room || take {
+                match slot {
+                    Slot::Run => w.open_queued = false,
+                    Slot::Queue => w.idle_queued = false,
+                }
+                let id = deque.remove(i);
+                if take {
+                    return id;
+                }
+                continue;
+            }
+            i += 1;
+        }
+        None
+    }
+
+    /// The worker with a free slot, the tags `requires`, and the most free pool.
+    fn most_free_pool(&mut self, requires: &[String]) -> Option<String> {
         let id = self
             .workers
             .iter()
-            .filter(|(_, w)| w.free() > 0)
+            .filter(|(_, w)| w.free() > 0 && w.has_tags(requires))
             .max_by_key(|(id, w)| (w.free_pool(), std::cmp::Reverse(id.as_str())))
             .map(|(id, _)| id.clone())?;
         if let Some(w) = self.workers.get_mut(&id)
@@ -926,14 +1149,19 @@ impl State {
         false
     }
 
-    /// Puts a worker with room back in the idle queue (once).
+    /// Puts a worker with room back in the idle queue, and one with a slot free to run in
+    /// back in the open queue (once each).
     fn requeue_if_free(&mut self, worker_id: &str) {
-        if let Some(w) = self.workers.get_mut(worker_id)
-            && w.free() > 0
-            && !w.idle_queued
-        {
+        let Some(w) = self.workers.get_mut(worker_id) else {
+            return;
+        };
+        if w.free() > 0 && !w.idle_queued {
             w.idle_queued = true;
             self.idle.push_back(worker_id.to_string());
+        }
+        if w.has_open_slot() && !w.open_queued {
+            w.open_queued = true;
+            self.open.push_back(worker_id.to_string());
         }
     }
 
@@ -948,16 +1176,22 @@ impl State {
         number
     }
 
-    /// Among the workers holding `task`'s inputs, the one with room (a free slot, and pool for
-    /// `expected` bytes) holding the most bytes.
-    fn local_worker(&self, job: &Job, task: TaskRef, expected: u64) -> Option<String> {
+    /// Among the workers holding `task`'s inputs, the one with room (a free slot, pool for
+    /// `expected` bytes, the tags `requires`) holding the most bytes, and whether it has a slot
+    /// free to run the task at once.
+    fn local_worker(
+        &self,
+        job: &Job,
+        task: TaskRef,
+        expected: u64,
+        requires: &[String],
+    ) -> Option<(String, bool)> {
         let mut local_bytes: HashMap<&str, u64> = HashMap::new();
         for (stage, index) in job.inputs_of(task.stage, task.index) {
             if let TaskStatus::Done { worker, outputs } =
                 &job.tasks[stage as usize][index as usize].status
             {
-                *local_bytes.entry(worker.as_str()).or_default() +=
-                    outputs.iter().map(|o| o.bytes).sum::<u64>();
+                *local_bytes.entry(worker.as_str()).or_default() += output_bytes(outputs);
             }
         }
         if let Some((worker, bytes)) = self.dataset_holders(task) {
@@ -965,13 +1199,16 @@ impl State {
         }
         local_bytes
             .into_iter()
-            .filter(|(id, _)| {
-                self.workers
-                    .get(*id)
-                    .is_some_and(|w| w.free() > 0 && w.fits(expected))
+            .filter_map(|(id, bytes)| {
+                let w = self.workers.get(id)?;
+                (w.free() > 0 && w.fits(expected) && w.has_tags(requires)).then_some((
+                    id,
+                    bytes,
+                    w.has_open_slot(),
+                ))
             })
-            .max_by_key(|(id, bytes)| (*bytes, std::cmp::Reverse(*id)))
-            .map(|(id, _)| id.to_string())
+            .max_by_key(|(id, bytes, _)| (*bytes, std::cmp::Reverse(*id)))
+            .map(|(id, _, open)| (id.to_string(), open))
     }
 
     fn start(
@@ -1074,14 +1311,24 @@ impl State {
             sends,
             receives: job.exchange_sources(task.stage, task.index),
         };
+        self.assignments += 1;
         let worker = self
             .workers
             .get_mut(worker_id)
             .unwrap_or_else(|| unreachable!("placed on a missing worker"));
-        worker
-            .running
-            .insert((task.job, task.stage, task.index), expected);
-        (worker.outbox.clone(), message(ToWorker::Assign(assign)))
+        worker.running.insert(
+            (task.job, task.stage, task.index),
+            (expected, self.assignments),
+        );
+        if worker.stealable() > 0 && !worker.overload_queued {
+            worker.overload_queued = true;
+            self.overloaded.push_back(worker_id.to_string());
+        }
+        let outbox = worker.outbox.clone();
+        if let Some(job) = self.jobs.get_mut(&task.job) {
+            sync_usage(&mut self.ready, job);
+        }
+        (outbox, message(ToWorker::Assign(assign)))
     }
 
     /// The running task this report is about, if it is still current (not stale or foreign).
@@ -1144,7 +1391,8 @@ impl State {
         if job.mapper_finished(task.stage, task.index) {
             // Pieces it sent were lost with a worker while it ran: it sends them again.
             job.set_status(task.stage, task.index, TaskStatus::Ready);
-            self.ready.push_back(task);
+            self.ready.push(job, task);
+            sync_usage(&mut self.ready, job);
             job.publish();
             return self.dispatch();
         }
@@ -1192,11 +1440,17 @@ impl State {
                 let entry = &mut job.tasks[consumer as usize][index as usize];
                 if let TaskStatus::Waiting(n) = entry.status {
                     entry.status = if n <= 1 {
-                        self.ready.push_back(TaskRef {
-                            job: task.job,
-                            stage: consumer,
-                            index,
-                        });
+                        self.ready.push_to(
+                            job.queue_tenant,
+                            job.priority,
+                            // A consumer stage reads earlier stages' outputs by definition.
+                            true,
+                            TaskRef {
+                                job: task.job,
+                                stage: consumer,
+                                index,
+                            },
+                        );
                         TaskStatus::Ready
                     } else {
                         TaskStatus::Waiting(n - 1)
@@ -1206,9 +1460,11 @@ impl State {
         }
         if exchanges_complete {
             job.mappers_all_done(task.stage);
-            self.ready.extend(job.recount_ready(task.job));
+            let ready = job.recount_ready(task.job);
+            self.ready.extend(job, ready);
         }
         let released = job.release_unneeded_inputs(task.stage, task.index);
+        sync_usage(&mut self.ready, job);
         let mut out: Outgoing = Vec::new();
         for (worker, tasks) in released {
             if let Some(w) = self.workers.get(&worker) {
@@ -1293,9 +1549,11 @@ impl State {
             &[],
             Some(&failed.error),
         );
-        let attempts = job.tasks[task.stage as usize][task.index as usize].attempts;
+        let entry = &job.tasks[task.stage as usize][task.index as usize];
+        let attempts = entry.attempts - entry.stolen;
         let stage_name = job.spec.stages[task.stage as usize].name.clone();
         job.set_status(task.stage, task.index, TaskStatus::Ready);
+        sync_usage(&mut self.ready, job);
         let retry = failed.retriable && attempts < MAX_ATTEMPTS;
         let outcome = if retry { "retried" } else { "failed" };
         self.metrics
@@ -1306,7 +1564,8 @@ impl State {
             tracing::warn!(job = %job.id, stage = %stage_name, task = task.index, "retrying after: {}", failed.error);
             // Its inputs may be gone with a lost peer: recount puts it (and anything else
             // affected) back to waiting until they are recomputed.
-            self.ready.extend(job.recount_ready(task.job));
+            let ready = job.recount_ready(task.job);
+            self.ready.extend(job, ready);
             job.publish();
             return self.dispatch();
         }
@@ -1374,6 +1633,7 @@ impl State {
             job.set_status(stage, index, TaskStatus::Ready);
             freed.push(worker);
         }
+        sync_usage(&mut self.ready, job);
         job.publish();
         for worker in freed {
             self.requeue_if_free(&worker);
@@ -1422,6 +1682,8 @@ impl State {
         }
         job.released = true;
         job.tasks = Vec::new();
+        job.held = 0;
+        sync_usage(&mut self.ready, job);
         let job_id = job.id.clone();
         // Readers waiting for a partition of this job's dataset learn that it is gone.
         self.wake_dataset_readers(number);
@@ -1504,6 +1766,12 @@ impl State {
         let Some(worker) = self.workers.remove(worker_id) else {
             return Vec::new();
         };
+        self.satisfiable.clear();
+        for thief in worker.retracting.values() {
+            if let Some(t) = self.workers.get_mut(thief) {
+                t.expecting = t.expecting.saturating_sub(1);
+            }
+        }
         if reason != WORKER_LEFT {
             self.metrics.workers_lost.inc();
         }
@@ -1543,7 +1811,9 @@ impl State {
                 touched = true;
             }
             if touched {
-                self.ready.extend(job.recount_ready(number));
+                let ready = job.recount_ready(number);
+                self.ready.extend(job, ready);
+                sync_usage(&mut self.ready, job);
                 job.publish();
             }
         }
@@ -1713,6 +1983,7 @@ impl State {
                 unspill_count: w.beat.unspill_count,
                 gpu: w.gpu.clone(),
                 gpu_telemetry: w.gpu_telemetry,
+                tags: w.tags.clone(),
             })
             .collect();
         workers.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
@@ -1727,6 +1998,8 @@ impl State {
                         job_id: j.id.clone(),
                         name: j.spec.name.clone(),
                         state: j.state as i32,
+                        waiting: j.waiting.clone(),
+                        priority: j.priority,
                     },
                 )
             })
@@ -2149,7 +2422,8 @@ mod tests {
                 outputs: output,
             },
         );
-        state.ready.extend(job.recount_ready(number));
+        let ready = job.recount_ready(number);
+        state.ready.extend(job, ready);
         let out = state.worker_lost("a", "test");
         let job = &state.jobs[&number];
         assert!(
@@ -2652,11 +2926,11 @@ mod tests {
         state.submit("other", map_reduce(2));
         state.dispatch();
         let text = state.render_metrics();
-        // One slot plus one queued: two maps of the first job are assigned.
+        // One slot plus one queued, shared fairly: a map of each tenant is assigned.
         for line in [
-            r#"wrk_scheduler_queued_tasks{stage="map",tenant="tenant"} 3"#,
+            r#"wrk_scheduler_queued_tasks{stage="map",tenant="tenant"} 4"#,
             r#"wrk_scheduler_queued_tasks{stage="reduce",tenant="tenant"} 1"#,
-            r#"wrk_scheduler_queued_tasks{stage="map",tenant="other"} 2"#,
+            r#"wrk_scheduler_queued_tasks{stage="map",tenant="other"} 1"#,
         ] {
             assert!(text.contains(line), "{line} in\n{text}");
         }

@@ -1,9 +1,13 @@
-//! Tenants: who may call the scheduler, identified by bearer tokens listed in a TOML file.
+//! Tenants: who may call the scheduler, identified by bearer tokens listed in a TOML file, and
+//! what share of the cluster each gets.
 //!
 //! ```toml
 //! [[tenant]]
 //! name = "analytics"
 //! token = "a-long-random-secret"
+//! weight = 2                    # share of the cluster under contention (default 1)
+//! max_tasks = 64                # tasks running (or queued on workers) at once, at most
+//! max_pool_bytes = 68719476736  # bytes its held partitions may occupy in workers' pools
 //!
 //! [[tenant]]
 //! name = "ml"
@@ -39,12 +43,39 @@ struct TenantEntry {
     name: String,
     token: Option<String>,
     token_sha256: Option<String>,
+    weight: Option<f64>,
+    max_tasks: Option<u32>,
+    max_pool_bytes: Option<u64>,
 }
 
-/// Tenants by the SHA-256 of their token (a lookup by hash leaks nothing useful through timing).
+/// A tenant's share of the cluster: see [`crate::state`]'s queue for how it is applied.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TenantPolicy {
+    /// Under contention, tenants' running tasks track their weights.
+    pub weight: f64,
+    /// Tasks running or queued on workers at once, at most.
+    pub max_tasks: Option<u32>,
+    /// Bytes of its held partitions (as the scheduler accounts them) beyond which it starts no
+    /// task that would only add to them.
+    pub max_pool_bytes: Option<u64>,
+}
+
+impl Default for TenantPolicy {
+    fn default() -> Self {
+        TenantPolicy {
+            weight: 1.0,
+            max_tasks: None,
+            max_pool_bytes: None,
+        }
+    }
+}
+
+/// Tenants by the SHA-256 of their token (a lookup by hash leaks nothing useful through timing),
+/// and their policies by name.
 #[derive(Debug, Clone, Default)]
 pub struct Tenants {
     by_token_hash: HashMap<String, String>,
+    policies: HashMap<String, TenantPolicy>,
 }
 
 fn sha256_hex(text: &str) -> String {
@@ -72,6 +103,7 @@ impl Tenants {
             return Err(invalid("it lists no [[tenant]]".into()));
         }
         let mut by_token_hash = HashMap::new();
+        let mut policies = HashMap::new();
         let mut names = std::collections::HashSet::new();
         for entry in file.tenants {
             if entry.name.is_empty() || !names.insert(entry.name.clone()) {
@@ -112,8 +144,37 @@ impl Tenants {
                     entry.name
                 )));
             }
+            let weight = entry.weight.unwrap_or(1.0);
+            if !(weight.is_finite() && weight > 0.0) {
+                return Err(invalid(format!(
+                    "tenant `{}`: weight must be a positive number, not {weight}",
+                    entry.name
+                )));
+            }
+            if entry.max_tasks == Some(0) || entry.max_pool_bytes == Some(0) {
+                return Err(invalid(format!(
+                    "tenant `{}`: max_tasks and max_pool_bytes must be at least 1 (leave them out for no limit)",
+                    entry.name
+                )));
+            }
+            policies.insert(
+                entry.name,
+                TenantPolicy {
+                    weight,
+                    max_tasks: entry.max_tasks,
+                    max_pool_bytes: entry.max_pool_bytes,
+                },
+            );
         }
-        Ok(Tenants { by_token_hash })
+        Ok(Tenants {
+            by_token_hash,
+            policies,
+        })
+    }
+
+    /// Every tenant's policy, by name.
+    pub fn policies(&self) -> impl Iterator<Item = (&str, &TenantPolicy)> {
+        self.policies.iter().map(|(name, p)| (name.as_str(), p))
     }
 
     /// The tenants' names.
@@ -164,5 +225,33 @@ mod tests {
             "[[tenant]]\nname='a'\ntoken='same-token-0123456'\n[[tenant]]\nname='b'\ntoken='same-token-0123456'",
         );
         assert!(shared.contains("tenant `b` shares its token"), "{shared}");
+        let unknown = err("[[tenant]]\nname='a'\ntoken='alpha-alpha-alpha-1'\nmax_task=1");
+        assert!(
+            unknown.contains("`tenants.toml`") && unknown.contains("max_task"),
+            "{unknown}"
+        );
+        let weight = err("[[tenant]]\nname='a'\ntoken='alpha-alpha-alpha-1'\nweight=0");
+        assert!(
+            weight.contains("tenant `a`: weight must be a positive number"),
+            "{weight}"
+        );
+        let zero = err("[[tenant]]\nname='a'\ntoken='alpha-alpha-alpha-1'\nmax_tasks=0");
+        assert!(zero.contains("tenant `a`: max_tasks"), "{zero}");
+    }
+
+    #[test]
+    fn quotas_and_weights_are_read_with_defaults() {
+        let text = "[[tenant]]\nname='a'\ntoken='alpha-alpha-alpha-1'\nweight=2.5\nmax_tasks=3\nmax_pool_bytes=1024\n[[tenant]]\nname='b'\ntoken='bravo-bravo-bravo-2'\n";
+        let tenants = Tenants::parse(text, Path::new("t.toml")).unwrap();
+        let policies: HashMap<&str, &TenantPolicy> = tenants.policies().collect();
+        assert_eq!(
+            *policies["a"],
+            TenantPolicy {
+                weight: 2.5,
+                max_tasks: Some(3),
+                max_pool_bytes: Some(1024),
+            }
+        );
+        assert_eq!(*policies["b"], TenantPolicy::default());
     }
 }

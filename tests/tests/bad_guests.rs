@@ -145,6 +145,7 @@ async fn cancelling_a_job_stops_its_running_tasks_at_once() {
         .submit_job(wrk_proto::SubmitJobRequest {
             job: Some(spec),
             keep_timeline: false,
+            priority: 0,
         })
         .await
         .unwrap()

@@ -1,6 +1,7 @@
 //! Tenants across real processes: a scheduler with a tenants file and a worker token; a worker
 //! with the wrong token is refused; one tenant cannot list, read or cancel another's jobs; unknown
-//! and missing tokens are refused with a clear message.
+//! and missing tokens are refused with a clear message; a tenant's `max_tasks` holds, as its
+//! jobs' timelines show.
 
 mod common;
 
@@ -171,6 +172,7 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
         .submit_job(wrk_proto::SubmitJobRequest {
             job: Some(spec),
             keep_timeline: true,
+            priority: 0,
         })
         .await
         .unwrap()
@@ -253,5 +255,84 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
         stderr(&missing).contains("requires a tenant token"),
         "{}",
         stderr(&missing)
+    );
+}
+
+/// Pairs of a timeline's successful task executions that overlap in time, and the most that
+/// ran at once.
+fn concurrency(timeline: &wrk_proto::JobTimeline) -> usize {
+    let mut edges: Vec<(u64, i32)> = timeline
+        .tasks
+        .iter()
+        .filter(|t| t.error.is_empty())
+        .flat_map(|t| [(t.start_us, 1), (t.end_us, -1)])
+        .collect();
+    // An end and a start at the same instant do not overlap.
+    edges.sort();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, step) in edges {
+        now += step;
+        most = most.max(now);
+    }
+    most as usize
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_never_runs_more_tasks_at_once_than_its_max_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    std::fs::write(
+        &tenants,
+        format!(
+            "[[tenant]]\nname = \"alice\"\ntoken = \"{ALICE}\"\nmax_tasks = 1\n[[tenant]]\nname = \"bob\"\ntoken = \"{BOB}\"\nweight = 2\n"
+        ),
+    )
+    .unwrap();
+    let mut processes = Processes(Vec::new());
+    let tenants_arg = tenants.to_str().expect("a UTF-8 temp path");
+    let url = start_scheduler(&mut processes, &["--tenants", tenants_arg], &[]).url;
+    processes
+        .0
+        .push(start_worker(&url, "w1", &["--slots", "4"]));
+    wait_for_workers(&url, 1, Some(ALICE));
+
+    let job = slow_job(dir.path(), "quota", 150, &[("slow", 6, &[])]);
+    let spec = wrk_cli::job::plan(&job, &wrk_cli::job::Overrides::default()).unwrap();
+    // Both at once: alice is held to one task while bob uses the other slots.
+    let (alice, bob) = tokio::join!(
+        run_with_timeline(&url, Some(ALICE), spec.clone(), 0),
+        run_with_timeline(&url, Some(BOB), spec, 0),
+    );
+    assert_eq!(alice.tasks.len(), 6);
+    assert_eq!(
+        concurrency(&alice),
+        1,
+        "alice ran tasks at once: {:?}",
+        alice.tasks
+    );
+    // The same measure sees bob's tasks overlap: it would see alice's.
+    assert!(concurrency(&bob) >= 2, "{:?}", bob.tasks);
+
+    // A bad quota names the file and the tenant.
+    std::fs::write(
+        &tenants,
+        format!("[[tenant]]\nname = \"alice\"\ntoken = \"{ALICE}\"\nmax_taks = 1\n"),
+    )
+    .unwrap();
+    let refused = Command::new(wrk())
+        .args([
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--tenants",
+            tenants_arg,
+        ])
+        .output()
+        .expect("run wrk scheduler");
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains(tenants_arg) && stderr(&refused).contains("max_taks"),
+        "{}",
+        stderr(&refused)
     );
 }

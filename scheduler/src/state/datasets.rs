@@ -258,7 +258,11 @@ impl State {
             return;
         }
         if let Some(parked) = self.datasets.parked.remove(&producer) {
-            self.ready.extend(parked);
+            for task in parked {
+                if let Some(job) = self.jobs.get(&task.job) {
+                    self.ready.push(job, task);
+                }
+            }
         }
     }
 
@@ -322,7 +326,8 @@ impl State {
                 dataset = %self.datasets.names[&number].1,
                 "a worker holding dataset partitions was lost: {recomputed} tasks to recompute them"
             );
-            self.ready.extend(job.recount_ready(number));
+            let ready = job.recount_ready(number);
+            self.ready.extend(job, ready);
             job.publish();
         }
         total

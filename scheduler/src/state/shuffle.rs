@@ -33,6 +33,8 @@ pub(super) struct Exchange {
 #[derive(Debug)]
 pub(super) struct Placement {
     pub reducer_stage: u32,
+    /// The reducer stage's required tags: partitions go to workers having them.
+    requires: Vec<String>,
     /// The worker receiving each partition; empty until the first mapper starts.
     targets: Vec<String>,
     /// Partitions whose worker dropped the pieces after their reducer succeeded.
@@ -59,6 +61,7 @@ pub(super) fn placements(spec: &JobSpec) -> Vec<Placement> {
         if !exchanges.is_empty() {
             placements.push(Placement {
                 reducer_stage: s as u32,
+                requires: stage.requires.clone(),
                 targets: Vec::new(),
                 consumed: vec![false; stage.num_tasks as usize],
                 exchanges,
@@ -68,9 +71,17 @@ pub(super) fn placements(spec: &JobSpec) -> Vec<Placement> {
     placements
 }
 
-/// Workers that can receive partitions, in a stable order.
-fn live_workers(workers: &HashMap<String, Worker>) -> Vec<&String> {
-    let mut live: Vec<&String> = workers.keys().collect();
+/// Workers that can receive partitions of reducers requiring `requires`, in a stable order: those
+/// having the tags, or, while none is connected, any (the pieces must land somewhere).
+fn live_workers<'a>(workers: &'a HashMap<String, Worker>, requires: &[String]) -> Vec<&'a String> {
+    let mut live: Vec<&String> = workers
+        .iter()
+        .filter(|(_, w)| w.has_tags(requires))
+        .map(|(id, _)| id)
+        .collect();
+    if live.is_empty() {
+        live = workers.keys().collect();
+    }
     live.sort_unstable();
     live
 }
@@ -79,7 +90,7 @@ impl Placement {
     /// Gives every partition without a live worker one, spreading partitions evenly; returns
     /// whether some partition moved.
     fn place(&mut self, workers: &HashMap<String, Worker>, offset: usize) -> bool {
-        let live = live_workers(workers);
+        let live = live_workers(workers, &self.requires);
         if live.is_empty() {
             return false;
         }

@@ -405,3 +405,65 @@ pub fn http_get(address: &str, path: &str) -> (String, String) {
     assert!(head.starts_with("HTTP/1.1 200"), "GET {path}: {head}");
     (head.to_string(), body.to_string())
 }
+
+/// Submits `spec` as the holder of `token` at `priority`, keeping its timeline, waits for it to
+/// end (failing the test if it does not succeed), and returns its timeline; then releases it.
+pub async fn run_with_timeline(
+    url: &str,
+    token: Option<&str>,
+    spec: wrk_proto::JobSpec,
+    priority: i32,
+) -> wrk_proto::JobTimeline {
+    let mut client = wrk_cli::client::connect(url, token)
+        .await
+        .expect("connect to the scheduler");
+    let job_id = client
+        .submit_job(wrk_proto::SubmitJobRequest {
+            job: Some(spec),
+            keep_timeline: true,
+            priority,
+        })
+        .await
+        .expect("the job is accepted")
+        .into_inner()
+        .job_id;
+    let job = wrk_proto::JobRef { job_id };
+    let mut progress = client
+        .watch_job(job.clone())
+        .await
+        .expect("watch the job")
+        .into_inner();
+    while let Some(p) = progress.message().await.expect("progress") {
+        match p.state() {
+            wrk_proto::JobState::Succeeded => break,
+            wrk_proto::JobState::Failed | wrk_proto::JobState::Cancelled => {
+                panic!("job {} ended {:?}: {}", job.job_id, p.state(), p.error)
+            }
+            _ => {}
+        }
+    }
+    let timeline = client
+        .get_job_timeline(job.clone())
+        .await
+        .expect("the job's timeline")
+        .into_inner();
+    client.release_job(job).await.expect("release the job");
+    timeline
+}
+
+/// A job file running the `slow` test guest (`delay_ms` per task) over `stages`, written to
+/// `dir`: each stage is `(name, tasks, requires)`.
+pub fn slow_job(dir: &Path, name: &str, delay_ms: u64, stages: &[(&str, u32, &[&str])]) -> PathBuf {
+    let mut text = format!(
+        "name = \"{name}\"\nmodule = \"{}\"\n[params]\ndelay_ms = \"{delay_ms}\"\n",
+        guest("test-guest-slow").display()
+    );
+    for (stage, tasks, requires) in stages {
+        text.push_str(&format!(
+            "[[stage]]\nname = \"{stage}\"\ntasks = {tasks}\nrequires = {requires:?}\n"
+        ));
+    }
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).expect("write the job file");
+    path
+}
