@@ -36,13 +36,9 @@ impl State {
         }
         let thieves: Vec<String> = self.open.iter().cloned().collect();
         for thief in thieves {
-            while self
-                .workers
-                .get(&thief)
-                .is_some_and(|w| {
-                    !w.retiring && w.slots as usize > w.running.len() + w.expecting as usize
-                })
-            {
+            while self.workers.get(&thief).is_some_and(|w| {
+                !w.retiring && w.slots as usize > w.running.len() + w.expecting as usize
+            }) {
                 let Some((victim, key, attempt)) = self.steal_for(&thief) else {
                     break;
                 };
