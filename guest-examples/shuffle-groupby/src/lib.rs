@@ -3,8 +3,10 @@
 //! - `partial` (one task per trips partition): sums fares and counts trips per driver within
 //!   the partition (the combine step: one row per driver leaves the task, not one per trip),
 //!   then sends the partial sums to exchange `by-driver`, split by `driver_id`;
-//! - `final` (the reducers): reducer i receives every partial of the drivers in partition i
-//!   and adds them up. The job's result is every reducer's table: one row per driver.
+//! - `final` (the reducers): reducer i receives the partials of the drivers in partition i
+//!   piece by piece and adds them up as they come, so only one piece and the running totals
+//!   are ever in memory (a partition larger than the worker's pool still folds). The job's
+//!   result is every reducer's table: one row per driver.
 
 use wrk_sdk::prelude::*;
 
@@ -26,11 +28,21 @@ impl Task for ShuffleGroupBy {
                 Ok(Vec::new())
             }
             "final" => {
-                let partials = shuffle::receive("by-driver")?;
-                Ok(vec![partials.group_by(["driver_id"]).agg([
-                    sum("fare_sum").alias("fare_sum"),
-                    sum("trips").alias("trips"),
-                ])?])
+                let mut totals: Option<Table> = None;
+                for piece in shuffle::receive_pieces("by-driver")? {
+                    let piece = piece?;
+                    let both = match totals.take() {
+                        Some(totals) => Table::concat([&totals, &piece])?,
+                        None => piece,
+                    };
+                    totals = Some(both.group_by(["driver_id"]).agg([
+                        sum("fare_sum").alias("fare_sum"),
+                        sum("trips").alias("trips"),
+                    ])?);
+                }
+                Ok(vec![totals.ok_or_else(|| {
+                    Error::msg("exchange `by-driver` brought no pieces to this reducer")
+                })?])
             }
             other => Err(Error::msg(format!(
                 "shuffle-groupby has no stage `{other}` (its stages are `partial` and `final`)"

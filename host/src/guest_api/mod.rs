@@ -35,6 +35,7 @@ pub mod bindings {
             "wrk:task/dataframe.column": crate::table::Column,
             "wrk:task/dataframe.expr": crate::guest_api::ExprHandle,
             "wrk:task/memory.lease": crate::store::Lease,
+            "wrk:task/shuffle.pieces": crate::shuffle::PieceStream,
         },
     });
 }

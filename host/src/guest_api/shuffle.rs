@@ -3,12 +3,12 @@
 
 use wasmtime::component::Resource;
 
-use super::bindings::wrk::task::shuffle::Host;
+use super::bindings::wrk::task::shuffle::{Host, HostPieces};
 use super::wit::{Error, ErrorCode};
 use super::{TaskState, error};
 use crate::cpu::partition;
 use crate::shuffle::pieces::PieceError;
-use crate::shuffle::{ShuffleError, TaskShuffle};
+use crate::shuffle::{PieceStream, ShuffleError, TaskShuffle};
 use crate::table::Table;
 
 fn shuffle_error(e: ShuffleError) -> Error {
@@ -101,6 +101,19 @@ impl Host for TaskState {
             .and_then(|s| s.send(&exchange, tables).map_err(shuffle_error)))
     }
 
+    fn receive_pieces(
+        &mut self,
+        exchange: String,
+    ) -> wasmtime::Result<Result<Resource<PieceStream>, Error>> {
+        let stream = self
+            .shuffle()
+            .and_then(|s| s.receive_pieces(&exchange).map_err(shuffle_error));
+        match stream {
+            Ok(stream) => Ok(Ok(self.table.push(stream)?)),
+            Err(e) => Ok(Err(e)),
+        }
+    }
+
     fn receive(&mut self, exchange: String) -> wasmtime::Result<Result<Resource<Table>, Error>> {
         let received = self
             .shuffle()
@@ -109,5 +122,25 @@ impl Host for TaskState {
             Ok(table) => Ok(Ok(self.table.push(table)?)),
             Err(e) => Ok(Err(e)),
         }
+    }
+}
+
+impl HostPieces for TaskState {
+    fn next(
+        &mut self,
+        pieces: Resource<PieceStream>,
+    ) -> wasmtime::Result<Result<Option<Resource<Table>>, Error>> {
+        let memory = self.memory.clone();
+        let next = self.table.get_mut(&pieces)?.next(&memory);
+        match next {
+            Ok(Some(table)) => Ok(Ok(Some(self.table.push(table)?))),
+            Ok(None) => Ok(Ok(None)),
+            Err(e) => Ok(Err(shuffle_error(e))),
+        }
+    }
+
+    fn drop(&mut self, pieces: Resource<PieceStream>) -> wasmtime::Result<()> {
+        self.table.delete(pieces)?;
+        Ok(())
     }
 }

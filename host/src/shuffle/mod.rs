@@ -218,6 +218,27 @@ impl ShuffleService {
     }
 }
 
+/// A reducer's pieces of one exchange, taken one at a time (the guest's `pieces` resource).
+#[derive(Debug)]
+pub struct PieceStream {
+    store: Arc<PieceStore>,
+    ids: VecDeque<pieces::PieceId>,
+}
+
+impl PieceStream {
+    /// The next piece, counted in `memory` (the task's working set), or `None` after the last.
+    pub fn next(&mut self, memory: &TaskMemory) -> Result<Option<Table>, ShuffleError> {
+        let Some(id) = self.ids.pop_front() else {
+            return Ok(None);
+        };
+        let table = self.store.take(&id, Some(memory))?;
+        memory
+            .track(table.batch())
+            .map_err(|e| ShuffleError::Piece(e.into()))?;
+        Ok(Some(table))
+    }
+}
+
 /// One task attempt's exchanges.
 pub struct TaskShuffle {
     service: Arc<ShuffleService>,
@@ -503,6 +524,22 @@ impl TaskShuffle {
             .received
             .insert(exchange.to_string(), table.clone());
         Ok(table)
+    }
+
+    /// This reducer's partition of `exchange` as a stream of its pieces (checked complete now,
+    /// each piece read when taken).
+    pub fn receive_pieces(&self, exchange: &str) -> Result<PieceStream, ShuffleError> {
+        let partition = self.source(exchange)?;
+        let mappers = self.receives[exchange].mappers;
+        let ids = self
+            .service
+            .store
+            .piece_ids(&partition, mappers)
+            .map_err(|e| self.noted(e.into()))?;
+        Ok(PieceStream {
+            store: self.service.store.clone(),
+            ids: ids.into(),
+        })
     }
 
     /// Drops the partitions this task received, once it succeeded: no one else reads them.

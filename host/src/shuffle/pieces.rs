@@ -246,6 +246,23 @@ impl PieceStore {
             .collect())
     }
 
+    /// The ids of a complete partition's pieces, in mapper order (then in the order each mapper
+    /// sent them), to take one by one with [`PieceStore::take`].
+    pub fn piece_ids(
+        &self,
+        partition: &PartitionRef,
+        mappers: u32,
+    ) -> Result<Vec<PieceId>, PieceError> {
+        self.complete_ids(&self.lock(), partition, mappers)
+    }
+
+    /// One piece, read back from disk if it spilled; `task`'s working set takes it on.
+    pub fn take(&self, id: &PieceId, task: Option<&TaskMemory>) -> Result<Table, PieceError> {
+        self.store
+            .get_piece(id, task)?
+            .ok_or_else(|| PieceError::Released(id.clone()))
+    }
+
     /// Every piece of a complete partition, in mapper order (then in the order each mapper sent
     /// them), read back from disk where they spilled; `task`'s working set takes them on.
     pub fn pieces(
@@ -254,15 +271,8 @@ impl PieceStore {
         mappers: u32,
         task: Option<&TaskMemory>,
     ) -> Result<Vec<Table>, PieceError> {
-        let ids = self.complete_ids(&self.lock(), partition, mappers)?;
-        let mut tables = Vec::with_capacity(ids.len());
-        for id in ids {
-            match self.store.get_piece(&id, task)? {
-                Some(table) => tables.push(table),
-                None => return Err(PieceError::Released(id)),
-            }
-        }
-        Ok(tables)
+        let ids = self.piece_ids(partition, mappers)?;
+        ids.iter().map(|id| self.take(id, task)).collect()
     }
 
     /// Drops a partition (its reducer finished); returns the pieces dropped.
