@@ -28,8 +28,9 @@ impl EncodedKeys {
         Self::encode_as(keys, &types)
     }
 
-    /// Encodes key columns converted to `types` (so that two tables' keys compare).
-    fn encode_as(keys: &[ArrayRef], types: &[DataType]) -> Result<Self, ArrowError> {
+    /// Encodes key columns converted to `types` (so that two tables' keys compare; see
+    /// [`key_types`]).
+    pub(crate) fn encode_as(keys: &[ArrayRef], types: &[DataType]) -> Result<Self, ArrowError> {
         if let ([key], [data_type]) = (keys, types)
             && int_like(data_type)
         {
@@ -51,42 +52,10 @@ impl EncodedKeys {
         })
     }
 
-    /// Encodes the keys of two tables so that equal keys compare equal across them: each pair of
-    /// columns is brought to a common type first.
-    pub(crate) fn encode_pair(
-        left: &[ArrayRef],
-        right: &[ArrayRef],
-    ) -> Result<(Self, Self), String> {
-        let mut types = Vec::with_capacity(left.len());
-        for (l, r) in left.iter().zip(right) {
-            let common = key_type(l.data_type(), r.data_type()).ok_or_else(|| {
-                format!(
-                    "key types {} and {} cannot be compared",
-                    l.data_type(),
-                    r.data_type()
-                )
-            })?;
-            types.push(common);
-        }
-        // Both sides must take the same path: the row encoding of one single integer key and
-        // its i64 form are not comparable.
-        let left = Self::encode_as(left, &types).map_err(|e| e.to_string())?;
-        let right = Self::encode_as(right, &types).map_err(|e| e.to_string())?;
-        Ok((left, right))
-    }
-
     pub(crate) fn len(&self) -> usize {
         match self {
             EncodedKeys::Int(values) => values.len(),
             EncodedKeys::Rows { rows, .. } => rows.num_rows(),
-        }
-    }
-
-    /// Whether row `i` has a null in any key column (such rows never join).
-    pub(crate) fn is_null(&self, i: usize) -> bool {
-        match self {
-            EncodedKeys::Int(values) => values.is_null(i),
-            EncodedKeys::Rows { has_null, .. } => has_null[i],
         }
     }
 }
@@ -109,6 +78,25 @@ fn key_type(left: &DataType, right: &DataType) -> Option<DataType> {
         return Some(DataType::Int64);
     }
     crate::expr::common_type(left, right)
+}
+
+/// The types two tables' key columns are encoded as so that equal keys compare equal across
+/// them: each pair of columns brought to a common type. Both sides must then be encoded with
+/// [`EncodedKeys::encode_as`] and these types: the row encoding of one single integer key and
+/// its `i64` form are not comparable.
+pub(crate) fn key_types(left: &[ArrayRef], right: &[ArrayRef]) -> Result<Vec<DataType>, String> {
+    left.iter()
+        .zip(right)
+        .map(|(l, r)| {
+            key_type(l.data_type(), r.data_type()).ok_or_else(|| {
+                format!(
+                    "key types {} and {} cannot be compared",
+                    l.data_type(),
+                    r.data_type()
+                )
+            })
+        })
+        .collect()
 }
 
 /// Per row, whether any of `columns` is null there.
