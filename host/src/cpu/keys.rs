@@ -5,7 +5,7 @@
 //! stable partition hash is defined here too: it decides which reducer a key goes to, so it must
 //! give the same answer on every worker, backend and version.
 
-use arrow::array::{Array, ArrayRef, AsArray};
+use arrow::array::{Array, ArrayRef, AsArray, GenericStringArray, OffsetSizeTrait};
 use arrow::compute;
 use arrow::datatypes::{DataType, Int64Type};
 use arrow::error::ArrowError;
@@ -114,6 +114,16 @@ fn any_null(columns: &[ArrayRef]) -> Vec<bool> {
 /// Maps each row to a dense group id (nulls form their own group); returns the ids and the first
 /// row of every group, groups numbered in order of first occurrence.
 pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), ArrowError> {
+    // One string key is hashed as it is: its row encoding (at least 33 bytes a value) costs
+    // more than the grouping.
+    if let [key] = keys {
+        if let Some(strings) = key.as_string_opt::<i32>() {
+            return Ok(string_group_ids(strings));
+        }
+        if let Some(strings) = key.as_string_opt::<i64>() {
+            return Ok(string_group_ids(strings));
+        }
+    }
     let encoded = EncodedKeys::encode(keys)?;
     let rows = encoded.len();
     let mut group_of_row = Vec::with_capacity(rows);
@@ -166,6 +176,29 @@ pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), Arrow
         }
     }
     Ok((group_of_row, first_rows))
+}
+
+/// [`group_ids`] of one string column.
+fn string_group_ids<O: OffsetSizeTrait>(strings: &GenericStringArray<O>) -> (Vec<u32>, Vec<u32>) {
+    let mut group_of_row = Vec::with_capacity(strings.len());
+    let mut first_rows: Vec<u32> = Vec::new();
+    let mut ids: HashMap<&[u8], u32> = HashMap::new();
+    let mut null_group = None;
+    for (row, value) in strings.iter().enumerate() {
+        let mut new_group = || {
+            first_rows.push(row as u32);
+            (first_rows.len() - 1) as u32
+        };
+        let id = match value {
+            None => *null_group.get_or_insert_with(new_group),
+            Some(value) => match ids.entry(value.as_bytes()) {
+                Entry::Occupied(e) => *e.get(),
+                Entry::Vacant(e) => *e.insert(new_group()),
+            },
+        };
+        group_of_row.push(id);
+    }
+    (group_of_row, first_rows)
 }
 
 /// The lowest value and the width of `values`' range, when it is narrow enough for a table
@@ -326,6 +359,25 @@ mod tests {
         );
         let wide: ArrayRef = Arc::new(Int64Array::from(vec![i64::MIN, i64::MAX, i64::MIN]));
         assert_eq!(group_ids(&[wide]).unwrap(), (vec![0, 1, 0], vec![0, 1]));
+    }
+
+    #[test]
+    fn string_keys_group_as_their_row_encoding_does() {
+        let words: ArrayRef = Arc::new(StringArray::from(vec![
+            Some("day"),
+            None,
+            Some("night"),
+            Some("day"),
+            None,
+            Some(""),
+        ]));
+        let expected = (vec![0, 1, 2, 0, 1, 3], vec![0, 1, 2, 5]);
+        assert_eq!(group_ids(std::slice::from_ref(&words)).unwrap(), expected);
+        let large = compute::cast(&words, &DataType::LargeUtf8).unwrap();
+        assert_eq!(group_ids(&[large]).unwrap(), expected);
+        // Two keys take the row format; with a constant second key, the same groups.
+        let constant: ArrayRef = Arc::new(Int32Array::from(vec![1; 6]));
+        assert_eq!(group_ids(&[words, constant]).unwrap(), expected);
     }
 
     #[test]
