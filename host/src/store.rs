@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::cpu::build_cache::BuildCache;
 use crate::memory::pool::{Account, Pool, PoolStats};
 use crate::memory::size::Bytes;
 use crate::memory::spill::{SpillDir, SpillError, SpillFile};
@@ -24,6 +25,8 @@ pub const ADMISSION_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long every other running task must have been waiting too before a waiter gives way:
 /// long enough for a task that is about to finish (or a peer transfer) to let go.
 const DEADLOCK_GRACE: Duration = Duration::from_millis(300);
+/// The share of the pool the join index cache may hold.
+const BUILD_CACHE_SHARE: u64 = 4;
 /// How often a waiting admission looks again (buffers freed by dropped tables do not signal).
 const RECHECK: Duration = Duration::from_millis(20);
 
@@ -166,6 +169,9 @@ pub struct PartitionStore {
     pool: Pool,
     /// The store's own claims: the buffers of partitions in memory.
     account: Arc<Account>,
+    /// Join indexes built on tables the worker's tasks share, claimed by their own account and
+    /// released first under pressure.
+    build_cache: BuildCache,
     spill: SpillDir,
     inner: Mutex<Inner>,
     changed: Condvar,
@@ -186,6 +192,10 @@ impl PartitionStore {
         let pool = Pool::new(pool_bytes);
         PartitionStore {
             account: pool.account("partition store"),
+            build_cache: BuildCache::new(
+                pool.account("join index cache"),
+                pool.size() / BUILD_CACHE_SHARE,
+            ),
             pool,
             spill,
             inner: Mutex::default(),
@@ -201,6 +211,11 @@ impl PartitionStore {
 
     pub fn pool_size(&self) -> u64 {
         self.pool.size()
+    }
+
+    /// The worker's cache of join indexes on shared tables (counted in this pool).
+    pub fn build_cache(&self) -> &BuildCache {
+        &self.build_cache
     }
 
     pub fn spill_dir(&self) -> &SpillDir {
@@ -249,8 +264,13 @@ impl PartitionStore {
     /// or none is left. Returns whether they fit.
     fn evict(&self, inner: &mut Inner, needed: u64) -> Result<bool, SpillError> {
         if self.used(inner) + needed > self.pool.size() {
-            // Free blocks kept for reuse go first: they cost nothing to give up.
+            // Free blocks kept for reuse and cached join indexes go first: they cost nothing
+            // to give up (an index is built again when needed).
             self.pool.release_buffers();
+            let released = self.build_cache.release();
+            if released > 0 {
+                tracing::debug!(bytes = released, "released cached join indexes");
+            }
         }
         loop {
             if self.used(inner) + needed <= self.pool.size() {

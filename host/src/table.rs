@@ -18,13 +18,30 @@ use arrow::record_batch::RecordBatch;
 #[derive(Debug, Clone)]
 pub struct Table {
     batch: Arc<RecordBatch>,
+    /// Whether every task of the worker that reads this input gets this same table (a
+    /// broadcast input): work derived from it alone, such as a join's hash index, is worth
+    /// keeping for the other tasks.
+    shared: bool,
 }
 
 impl Table {
     pub fn new(batch: RecordBatch) -> Self {
         Table {
             batch: Arc::new(batch),
+            shared: false,
         }
+    }
+
+    /// The same table, marked as shared by the worker's tasks.
+    pub fn into_shared(self) -> Self {
+        Table {
+            shared: true,
+            ..self
+        }
+    }
+
+    pub fn is_shared(&self) -> bool {
+        self.shared
     }
 
     pub fn batch(&self) -> &RecordBatch {

@@ -376,7 +376,9 @@ pub async fn run_retirable(
                         if let Ok(mut broadcasts) = shared.broadcasts.lock() {
                             broadcasts.retain(|(job, _), _| *job != release.job_id);
                         }
-                        tracing::debug!(job = %release.job_id, dropped, exchanges, "released job partitions");
+                        // Join indexes on the job's broadcast tables go with them.
+                        let indexes = shared.store.build_cache().purge_dropped();
+                        tracing::debug!(job = %release.job_id, dropped, exchanges, indexes, "released job partitions");
                     }
                     Some(FromScheduler::ReleaseTasks(release)) => {
                         for task in &release.tasks {
@@ -929,7 +931,8 @@ async fn load_partition(
 }
 
 /// A broadcast input: the first task of the worker to need it fetches and concatenates the
-/// stage's outputs; the others wait for that and share the table.
+/// stage's outputs; the others wait for that and share the table (marked shared, so that a
+/// join builds its hash index on it once per worker).
 async fn load_broadcast(
     shared: &Arc<Shared>,
     broadcast: &wrk_proto::BroadcastInput,
@@ -960,12 +963,12 @@ async fn load_broadcast(
             )));
         };
         if tables.len() == 1 {
-            return Ok(first.clone());
+            return Ok(first.clone().into_shared());
         }
         let schema = first.schema();
         let batches: Vec<_> = tables.iter().map(|t| t.batch().clone()).collect();
         arrow::compute::concat_batches(&schema, &batches)
-            .map(Table::new)
+            .map(|batch| Table::new(batch).into_shared())
             .map_err(|e| {
                 Failure::fatal(format!(
                     "broadcast input from stage #{}: its outputs do not concatenate: {e}",

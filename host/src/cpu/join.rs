@@ -1,23 +1,24 @@
 //! Hash join of two tables (inner, left, semi, anti) on one or several key columns.
 //!
-//! The hash table is built on the smaller table and probed with the other; null keys never
-//! match. Matching rows of one key keep their table order.
+//! The hash index ([`super::hash_index`]) is built on the smaller table and probed with the
+//! other, unless the caller names a shared table to build on: then the index comes from the
+//! worker's [`BuildCache`], built once and probed by every task joining with that table. Null
+//! keys never match. Matching rows of one key keep their table order.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, RecordBatch, UInt32Array};
+use arrow::array::{Array, ArrayRef, BooleanBufferBuilder, RecordBatch, UInt32Array};
+use arrow::buffer::NullBuffer;
 use arrow::compute;
 use arrow::datatypes::{Field, Schema};
-use hashbrown::HashMap;
 
-use super::keys::EncodedKeys;
+use super::build_cache::BuildCache;
+use super::hash_index::{END, HashIndex};
+use super::keys::{EncodedKeys, key_types};
 use super::ops::{OpError, column_index};
 
 const OP: &str = "join";
-
-/// Marks the end of a chain of build rows with equal keys.
-const END: u32 = u32::MAX;
 
 /// Which rows a join keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,77 +29,42 @@ pub enum JoinType {
     Anti,
 }
 
-/// The build side's rows by key: `heads` maps a key to its first row, `next` links each row to
-/// the next one with the same key.
-struct BuildTable<'a> {
-    heads: Heads<'a>,
-    next: Vec<u32>,
+/// One of a join's two tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Left,
+    Right,
 }
 
-enum Heads<'a> {
-    Int(HashMap<i64, u32>),
-    Rows(HashMap<&'a [u8], u32>),
+/// Where a join's hash index comes from.
+#[derive(Debug, Clone, Copy)]
+pub enum Build<'a> {
+    /// Built on the smaller table for this join alone.
+    Smaller,
+    /// Built on `side`, a table the worker's tasks share: taken from `cache`, or built and
+    /// cached there.
+    Shared { side: Side, cache: &'a BuildCache },
 }
 
-impl<'a> BuildTable<'a> {
-    fn new(keys: &'a EncodedKeys) -> Self {
-        let rows = keys.len();
-        let mut next = vec![END; rows];
-        // Inserting from the last row makes every chain run in table order.
-        let heads = match keys {
-            EncodedKeys::Int(values) => {
-                let mut heads = HashMap::with_capacity(rows);
-                for row in (0..rows).rev().filter(|&r| !keys.is_null(r)) {
-                    if let Some(previous) = heads.insert(values.value(row), row as u32) {
-                        next[row] = previous;
-                    }
-                }
-                Heads::Int(heads)
-            }
-            EncodedKeys::Rows { rows: encoded, .. } => {
-                let mut heads = HashMap::with_capacity(rows);
-                for row in (0..rows).rev().filter(|&r| !keys.is_null(r)) {
-                    if let Some(previous) = heads.insert(encoded.row(row).data(), row as u32) {
-                        next[row] = previous;
-                    }
-                }
-                Heads::Rows(heads)
-            }
-        };
-        BuildTable { heads, next }
-    }
-
-    /// The first build row whose key equals the probe's row `row`, or `END`.
-    fn first_match(&self, probe: &EncodedKeys, row: usize) -> u32 {
-        if probe.is_null(row) {
-            return END;
-        }
-        let found = match (&self.heads, probe) {
-            (Heads::Int(heads), EncodedKeys::Int(values)) => heads.get(&values.value(row)),
-            (Heads::Rows(heads), EncodedKeys::Rows { rows, .. }) => heads.get(rows.row(row).data()),
-            // `encode_pair` gives both sides the same encoding.
-            _ => None,
-        };
-        found.copied().unwrap_or(END)
-    }
-
-    /// Every build row matching the probe's row `row`, in build-table order.
-    fn matches(&self, probe: &EncodedKeys, row: usize) -> impl Iterator<Item = u32> + '_ {
-        let first = self.first_match(probe, row);
-        std::iter::successors((first != END).then_some(first), |&r| {
-            let next = self.next[r as usize];
-            (next != END).then_some(next)
-        })
-    }
-}
-
-/// Joins `left` with `right` on `left_on[i] = right_on[i]`.
+/// Joins `left` with `right` on `left_on[i] = right_on[i]`, building on the smaller table.
 pub fn join(
     left: &RecordBatch,
     right: &RecordBatch,
     left_on: &[String],
     right_on: &[String],
     how: JoinType,
+) -> Result<RecordBatch, OpError> {
+    join_with(left, right, left_on, right_on, how, Build::Smaller)
+}
+
+/// Joins `left` with `right` on `left_on[i] = right_on[i]`, with the index `build` says.
+pub fn join_with(
+    left: &RecordBatch,
+    right: &RecordBatch,
+    left_on: &[String],
+    right_on: &[String],
+    how: JoinType,
+    build: Build<'_>,
 ) -> Result<RecordBatch, OpError> {
     if left_on.is_empty() || left_on.len() != right_on.len() {
         return Err(OpError::Invalid {
@@ -117,27 +83,37 @@ pub fn join(
             .collect::<Result<Vec<ArrayRef>, _>>()
     };
     let (left_keys, right_keys) = (key_columns(left, left_on)?, key_columns(right, right_on)?);
-    let (left_encoded, right_encoded) =
-        EncodedKeys::encode_pair(&left_keys, &right_keys).map_err(|detail| OpError::Invalid {
-            operator: OP,
-            detail: format!(
-                "joining ({}) with ({}): {detail}",
-                left_on.join(", "),
-                right_on.join(", ")
-            ),
-        })?;
-
-    let build_left = left.num_rows() < right.num_rows();
-    let (build, probe) = if build_left {
-        (&left_encoded, &right_encoded)
-    } else {
-        (&right_encoded, &left_encoded)
+    let invalid = |detail: String| OpError::Invalid {
+        operator: OP,
+        detail: format!(
+            "joining ({}) with ({}): {detail}",
+            left_on.join(", "),
+            right_on.join(", ")
+        ),
     };
-    let table = BuildTable::new(build);
+    let types = key_types(&left_keys, &right_keys).map_err(invalid)?;
+    let encode = |keys: &[ArrayRef]| {
+        EncodedKeys::encode_as(keys, &types).map_err(|e| invalid(e.to_string()))
+    };
+    let build_left = match build {
+        Build::Smaller => left.num_rows() < right.num_rows(),
+        Build::Shared { side, .. } => side == Side::Left,
+    };
+    let (build_keys, probe_keys) = if build_left {
+        (&left_keys, &right_keys)
+    } else {
+        (&right_keys, &left_keys)
+    };
+    let build_index = || HashIndex::build(encode(build_keys)?).map_err(|e| invalid(e.to_string()));
+    let index = match build {
+        Build::Smaller => Arc::new(build_index()?),
+        Build::Shared { cache, .. } => cache.get_or_build(build_keys, &types, build_index)?,
+    };
+    let probe = encode(probe_keys)?;
 
     match how {
         JoinType::Semi | JoinType::Anti => {
-            let keep = matched_left_rows(&table, probe, build_left, left.num_rows());
+            let keep = matched_left_rows(&index, &probe, build_left, left.num_rows());
             let wanted = how == JoinType::Semi;
             let indices: UInt32Array = (0..left.num_rows() as u32)
                 .filter(|&r| keep[r as usize] == wanted)
@@ -148,75 +124,125 @@ pub fn join(
             })
         }
         JoinType::Inner | JoinType::Left => {
-            let (left_rows, right_rows) = pairs(&table, probe, build_left, how, left.num_rows());
-            assemble(left, right, right_on, &left_rows, &right_rows)
+            let pairs = pairs(&index, &probe, build_left, how, left.num_rows());
+            assemble(left, right, right_on, &pairs)
         }
     }
 }
 
 /// For each left row, whether some right row matches it.
 fn matched_left_rows(
-    table: &BuildTable<'_>,
+    index: &HashIndex,
     probe: &EncodedKeys,
     build_left: bool,
     left_rows: usize,
 ) -> Vec<bool> {
     if build_left {
         let mut matched = vec![false; left_rows];
-        for row in 0..probe.len() {
-            for build_row in table.matches(probe, row) {
+        index.probe(probe, |_, mut build_row| {
+            while build_row != END {
                 matched[build_row as usize] = true;
+                build_row = index.next(build_row);
             }
-        }
+        });
         matched
     } else {
-        (0..left_rows)
-            .map(|row| table.first_match(probe, row) != END)
-            .collect()
+        let mut matched = Vec::with_capacity(left_rows);
+        index.probe(probe, |_, first| matched.push(first != END));
+        matched
     }
 }
 
-/// The (left row, right row) pairs of an inner or left join; a left join's unmatched left rows
-/// pair with a null right row.
+/// The rows of an inner or left join: which left row and which right row each output row
+/// comes from.
+struct Pairs {
+    /// `None` when the output's left rows are exactly the left table's, in order.
+    left: Option<UInt32Array>,
+    /// A left join's unmatched left rows pair with a null right row.
+    right: UInt32Array,
+}
+
 fn pairs(
-    table: &BuildTable<'_>,
+    index: &HashIndex,
     probe: &EncodedKeys,
     build_left: bool,
     how: JoinType,
     left_rows: usize,
-) -> (UInt32Array, UInt32Array) {
+) -> Pairs {
     let mut left_out: Vec<u32> = Vec::with_capacity(probe.len());
-    let mut right_out: Vec<Option<u32>> = Vec::with_capacity(probe.len());
+    let mut right_out: Vec<u32> = Vec::with_capacity(probe.len());
+    // Which right rows are real (a left join's unmatched rows are not).
+    let mut valid = (how == JoinType::Left).then(|| BooleanBufferBuilder::new(probe.len()));
     if build_left {
         let mut matched = vec![false; if how == JoinType::Left { left_rows } else { 0 }];
-        for row in 0..probe.len() {
-            for build_row in table.matches(probe, row) {
+        index.probe(probe, |row, mut build_row| {
+            while build_row != END {
                 left_out.push(build_row);
-                right_out.push(Some(row as u32));
+                right_out.push(row as u32);
                 if let Some(m) = matched.get_mut(build_row as usize) {
                     *m = true;
                 }
+                build_row = index.next(build_row);
             }
+        });
+        if let Some(valid) = &mut valid {
+            valid.append_n(right_out.len(), true);
         }
         for (row, _) in matched.iter().enumerate().filter(|(_, m)| !**m) {
             left_out.push(row as u32);
-            right_out.push(None);
-        }
-    } else {
-        for row in 0..probe.len() {
-            let mut any = false;
-            for build_row in table.matches(probe, row) {
-                left_out.push(row as u32);
-                right_out.push(Some(build_row));
-                any = true;
-            }
-            if !any && how == JoinType::Left {
-                left_out.push(row as u32);
-                right_out.push(None);
+            right_out.push(0);
+            if let Some(valid) = &mut valid {
+                valid.append(false);
             }
         }
+        return Pairs {
+            left: Some(UInt32Array::from(left_out)),
+            right: UInt32Array::new(
+                right_out.into(),
+                valid.map(|mut v| NullBuffer::new(v.finish())),
+            ),
+        };
     }
-    (UInt32Array::from(left_out), UInt32Array::from(right_out))
+    // Probing with the left table: its rows come out in order, each once unless a key
+    // repeats or (inner join) has no match.
+    let chains = index.has_chains();
+    let mut identity = true;
+    index.probe(probe, |row, first| {
+        if first == END {
+            if let Some(valid) = &mut valid {
+                left_out.push(row as u32);
+                right_out.push(0);
+                valid.append(false);
+            } else {
+                identity = false;
+            }
+            return;
+        }
+        left_out.push(row as u32);
+        right_out.push(first);
+        if let Some(valid) = &mut valid {
+            valid.append(true);
+        }
+        if chains {
+            let mut build_row = index.next(first);
+            while build_row != END {
+                identity = false;
+                left_out.push(row as u32);
+                right_out.push(build_row);
+                if let Some(valid) = &mut valid {
+                    valid.append(true);
+                }
+                build_row = index.next(build_row);
+            }
+        }
+    });
+    Pairs {
+        left: (!identity).then(|| UInt32Array::from(left_out)),
+        right: UInt32Array::new(
+            right_out.into(),
+            valid.map(|mut v| NullBuffer::new(v.finish())),
+        ),
+    }
 }
 
 /// The joined table: the left columns, then the right columns except its keys (renamed with
@@ -225,20 +251,24 @@ fn assemble(
     left: &RecordBatch,
     right: &RecordBatch,
     right_on: &[String],
-    left_rows: &UInt32Array,
-    right_rows: &UInt32Array,
+    pairs: &Pairs,
 ) -> Result<RecordBatch, OpError> {
     let arrow = |source| OpError::Arrow {
         operator: OP,
         source,
     };
     let mut fields: Vec<Arc<Field>> = left.schema().fields().iter().cloned().collect();
-    let mut columns: Vec<ArrayRef> = left
-        .columns()
-        .iter()
-        .map(|c| compute::take(c, left_rows, None))
-        .collect::<Result<_, _>>()
-        .map_err(arrow)?;
+    let mut columns: Vec<ArrayRef> = match &pairs.left {
+        Some(left_rows) => left
+            .columns()
+            .iter()
+            .map(|c| compute::take(c, left_rows, None))
+            .collect::<Result<_, _>>()
+            .map_err(arrow)?,
+        // Every left row once, in order: the columns as they are.
+        None => left.columns().to_vec(),
+    };
+    let right_rows = &pairs.right;
     let mut taken: HashSet<String> = fields.iter().map(|f| f.name().clone()).collect();
     let right_schema = right.schema();
     let right_has_nulls = right_rows.null_count() > 0;
@@ -438,6 +468,69 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("`nope`"), "{err}");
+    }
+
+    /// `batch` with its column `name` replaced by `key(column)`.
+    fn rekeyed(
+        batch: &RecordBatch,
+        name: &str,
+        key: impl Fn(&ArrayRef) -> ArrayRef,
+    ) -> RecordBatch {
+        let i = batch.schema().index_of(name).unwrap();
+        let mut columns = batch.columns().to_vec();
+        columns[i] = key(&columns[i]);
+        let mut fields: Vec<Field> = batch
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone())
+            .collect();
+        fields[i] = Field::new(name, columns[i].data_type().clone(), true);
+        RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap()
+    }
+
+    #[test]
+    fn every_index_layout_gives_the_same_rows() {
+        // Small integers index a table by value; spread out, they hash; as strings, they take
+        // the row format. Duplicate keys on the build side chain.
+        let spread = |a: &ArrayRef| -> ArrayRef {
+            let wide = compute::cast(a, &DataType::Int64).unwrap();
+            let wide = wide.as_primitive::<Int64Type>();
+            Arc::new(wide.unary::<_, Int64Type>(|v| v.wrapping_mul(1_000_000_007_000)))
+        };
+        let text = |a: &ArrayRef| compute::cast(a, &DataType::Utf8).unwrap();
+        let payload = |batch: &RecordBatch| {
+            batch
+                .columns()
+                .iter()
+                .zip(batch.schema().fields())
+                .filter(|(_, f)| f.name().starts_with("fare"))
+                .map(|(c, _)| c.clone())
+                .collect::<Vec<_>>()
+        };
+        for (left, right, left_key, right_key) in [
+            (trips(), zones(), "zone", "id"),
+            (zones(), trips(), "id", "zone"),
+            (trips(), trips(), "zone", "zone"),
+        ] {
+            for how in [
+                JoinType::Inner,
+                JoinType::Left,
+                JoinType::Semi,
+                JoinType::Anti,
+            ] {
+                let on = (keys(&[left_key]), keys(&[right_key]));
+                let expected = join(&left, &right, &on.0, &on.1, how).unwrap();
+                for change in [&spread as &dyn Fn(&ArrayRef) -> ArrayRef, &text] {
+                    let (l, r) = (
+                        rekeyed(&left, left_key, change),
+                        rekeyed(&right, right_key, change),
+                    );
+                    let out = join(&l, &r, &on.0, &on.1, how).unwrap();
+                    assert_eq!(payload(&out), payload(&expected), "{how:?} on {left_key}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! stable partition hash is defined here too: it decides which reducer a key goes to, so it must
 //! give the same answer on every worker, backend and version.
 
-use arrow::array::{Array, ArrayRef, AsArray};
+use arrow::array::{Array, ArrayRef, AsArray, GenericStringArray, OffsetSizeTrait};
 use arrow::compute;
 use arrow::datatypes::{DataType, Int64Type};
 use arrow::error::ArrowError;
@@ -28,8 +28,9 @@ impl EncodedKeys {
         Self::encode_as(keys, &types)
     }
 
-    /// Encodes key columns converted to `types` (so that two tables' keys compare).
-    fn encode_as(keys: &[ArrayRef], types: &[DataType]) -> Result<Self, ArrowError> {
+    /// Encodes key columns converted to `types` (so that two tables' keys compare; see
+    /// [`key_types`]).
+    pub(crate) fn encode_as(keys: &[ArrayRef], types: &[DataType]) -> Result<Self, ArrowError> {
         if let ([key], [data_type]) = (keys, types)
             && int_like(data_type)
         {
@@ -51,42 +52,10 @@ impl EncodedKeys {
         })
     }
 
-    /// Encodes the keys of two tables so that equal keys compare equal across them: each pair of
-    /// columns is brought to a common type first.
-    pub(crate) fn encode_pair(
-        left: &[ArrayRef],
-        right: &[ArrayRef],
-    ) -> Result<(Self, Self), String> {
-        let mut types = Vec::with_capacity(left.len());
-        for (l, r) in left.iter().zip(right) {
-            let common = key_type(l.data_type(), r.data_type()).ok_or_else(|| {
-                format!(
-                    "key types {} and {} cannot be compared",
-                    l.data_type(),
-                    r.data_type()
-                )
-            })?;
-            types.push(common);
-        }
-        // Both sides must take the same path: the row encoding of one single integer key and
-        // its i64 form are not comparable.
-        let left = Self::encode_as(left, &types).map_err(|e| e.to_string())?;
-        let right = Self::encode_as(right, &types).map_err(|e| e.to_string())?;
-        Ok((left, right))
-    }
-
     pub(crate) fn len(&self) -> usize {
         match self {
             EncodedKeys::Int(values) => values.len(),
             EncodedKeys::Rows { rows, .. } => rows.num_rows(),
-        }
-    }
-
-    /// Whether row `i` has a null in any key column (such rows never join).
-    pub(crate) fn is_null(&self, i: usize) -> bool {
-        match self {
-            EncodedKeys::Int(values) => values.is_null(i),
-            EncodedKeys::Rows { has_null, .. } => has_null[i],
         }
     }
 }
@@ -111,6 +80,25 @@ fn key_type(left: &DataType, right: &DataType) -> Option<DataType> {
     crate::expr::common_type(left, right)
 }
 
+/// The types two tables' key columns are encoded as so that equal keys compare equal across
+/// them: each pair of columns brought to a common type. Both sides must then be encoded with
+/// [`EncodedKeys::encode_as`] and these types: the row encoding of one single integer key and
+/// its `i64` form are not comparable.
+pub(crate) fn key_types(left: &[ArrayRef], right: &[ArrayRef]) -> Result<Vec<DataType>, String> {
+    left.iter()
+        .zip(right)
+        .map(|(l, r)| {
+            key_type(l.data_type(), r.data_type()).ok_or_else(|| {
+                format!(
+                    "key types {} and {} cannot be compared",
+                    l.data_type(),
+                    r.data_type()
+                )
+            })
+        })
+        .collect()
+}
+
 /// Per row, whether any of `columns` is null there.
 fn any_null(columns: &[ArrayRef]) -> Vec<bool> {
     let rows = columns.first().map_or(0, |c| c.len());
@@ -126,6 +114,16 @@ fn any_null(columns: &[ArrayRef]) -> Vec<bool> {
 /// Maps each row to a dense group id (nulls form their own group); returns the ids and the first
 /// row of every group, groups numbered in order of first occurrence.
 pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), ArrowError> {
+    // One string key is hashed as it is: its row encoding (at least 33 bytes a value) costs
+    // more than the grouping.
+    if let [key] = keys {
+        if let Some(strings) = key.as_string_opt::<i32>() {
+            return Ok(string_group_ids(strings));
+        }
+        if let Some(strings) = key.as_string_opt::<i64>() {
+            return Ok(string_group_ids(strings));
+        }
+    }
     let encoded = EncodedKeys::encode(keys)?;
     let rows = encoded.len();
     let mut group_of_row = Vec::with_capacity(rows);
@@ -178,6 +176,29 @@ pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), Arrow
         }
     }
     Ok((group_of_row, first_rows))
+}
+
+/// [`group_ids`] of one string column.
+fn string_group_ids<O: OffsetSizeTrait>(strings: &GenericStringArray<O>) -> (Vec<u32>, Vec<u32>) {
+    let mut group_of_row = Vec::with_capacity(strings.len());
+    let mut first_rows: Vec<u32> = Vec::new();
+    let mut ids: HashMap<&[u8], u32> = HashMap::new();
+    let mut null_group = None;
+    for (row, value) in strings.iter().enumerate() {
+        let mut new_group = || {
+            first_rows.push(row as u32);
+            (first_rows.len() - 1) as u32
+        };
+        let id = match value {
+            None => *null_group.get_or_insert_with(new_group),
+            Some(value) => match ids.entry(value.as_bytes()) {
+                Entry::Occupied(e) => *e.get(),
+                Entry::Vacant(e) => *e.insert(new_group()),
+            },
+        };
+        group_of_row.push(id);
+    }
+    (group_of_row, first_rows)
 }
 
 /// The lowest value and the width of `values`' range, when it is narrow enough for a table
@@ -338,6 +359,25 @@ mod tests {
         );
         let wide: ArrayRef = Arc::new(Int64Array::from(vec![i64::MIN, i64::MAX, i64::MIN]));
         assert_eq!(group_ids(&[wide]).unwrap(), (vec![0, 1, 0], vec![0, 1]));
+    }
+
+    #[test]
+    fn string_keys_group_as_their_row_encoding_does() {
+        let words: ArrayRef = Arc::new(StringArray::from(vec![
+            Some("day"),
+            None,
+            Some("night"),
+            Some("day"),
+            None,
+            Some(""),
+        ]));
+        let expected = (vec![0, 1, 2, 0, 1, 3], vec![0, 1, 2, 5]);
+        assert_eq!(group_ids(std::slice::from_ref(&words)).unwrap(), expected);
+        let large = compute::cast(&words, &DataType::LargeUtf8).unwrap();
+        assert_eq!(group_ids(&[large]).unwrap(), expected);
+        // Two keys take the row format; with a constant second key, the same groups.
+        let constant: ArrayRef = Arc::new(Int32Array::from(vec![1; 6]));
+        assert_eq!(group_ids(&[words, constant]).unwrap(), expected);
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //!
 //! Used when a worker has no GPU; it is also the reference the CUDA backend is tested against.
 
+pub mod build_cache;
 pub mod eval;
 pub(crate) mod fused;
+pub(crate) mod hash_index;
 pub mod join;
 pub(crate) mod keys;
 pub mod ops;

@@ -594,7 +594,22 @@ impl HostTable for TaskState {
             JoinType::Semi => join::JoinType::Semi,
             JoinType::Anti => join::JoinType::Anti,
         };
-        let result = join::join(left.batch(), right.batch(), &left_on, &right_on, how);
+        // A table every task of the worker shares is built on, once: its index is cached.
+        let cache = self.memory.store().build_cache();
+        let build = if right.is_shared() {
+            join::Build::Shared {
+                side: join::Side::Right,
+                cache,
+            }
+        } else if left.is_shared() {
+            join::Build::Shared {
+                side: join::Side::Left,
+                cache,
+            }
+        } else {
+            join::Build::Smaller
+        };
+        let result = join::join_with(left.batch(), right.batch(), &left_on, &right_on, how, build);
         self.table_result(result.map_err(op_error))
     }
 
