@@ -2082,6 +2082,26 @@ mod tests {
         }
     }
 
+    /// Reports `task` done by the worker running it, with one output of `bytes`.
+    pub(super) fn finish(state: &mut State, task: &AssignTask, bytes: u64) -> Outgoing {
+        let worker = worker_of(state, task);
+        state.task_done(&worker, done(task, bytes))
+    }
+
+    /// A job of one stage of `n` tasks.
+    pub(super) fn one_stage(n: u32) -> JobSpec {
+        JobSpec {
+            name: "j".into(),
+            stages: vec![Stage {
+                name: "s".into(),
+                module_hash: "h".into(),
+                num_tasks: n,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
     pub(super) fn worker_of(state: &State, task: &AssignTask) -> String {
         let id = task.task.as_ref().unwrap();
         let number = state.job_ids[&id.job_id];

@@ -510,10 +510,10 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{T, add_worker, assigned, job_state, worker_of};
+    use super::super::tests::{T, add_worker, assigned, finish, job_state, worker_of};
     use super::*;
     use wrk_proto::scheduler_message::Kind as ToWorker;
-    use wrk_proto::{AssignTask, OutputMeta, PartitionsFetched, Stage, TaskDone, task_input};
+    use wrk_proto::{AssignTask, PartitionsFetched, Stage, task_input};
 
     /// One stage of `n` tasks, persisted as `name`.
     fn producer(n: u32, name: &str) -> JobSpec {
@@ -549,18 +549,6 @@ mod tests {
         let (id, _) = state.submit(tenant, spec);
         state.register_datasets(tenant, &id, reads, &persist)?;
         Ok(id)
-    }
-
-    fn finish(state: &mut State, task: &AssignTask, bytes: u64) -> Outgoing {
-        let worker = worker_of(state, task);
-        state.task_done(
-            &worker,
-            TaskDone {
-                task: task.task.clone(),
-                outputs: vec![OutputMeta { rows: 1, bytes }],
-                stats: None,
-            },
-        )
     }
 
     /// Runs every task dispatch hands out until none is left, each output `bytes` big.

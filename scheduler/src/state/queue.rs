@@ -242,35 +242,10 @@ impl ReadyQueue {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{T, add_worker, assigned, job_state, worker_of};
+    use super::super::tests::{T, add_worker, assigned, finish, job_state, one_stage};
     use super::super::*;
     use crate::tenants::TenantPolicy;
     use wrk_proto::{Stage, StageInput};
-
-    fn tasks(n: u32) -> JobSpec {
-        JobSpec {
-            name: "n".into(),
-            stages: vec![Stage {
-                name: "s".into(),
-                module_hash: "h".into(),
-                num_tasks: n,
-                ..Default::default()
-            }],
-            ..Default::default()
-        }
-    }
-
-    fn finish(state: &mut State, task: &AssignTask, bytes: u64) -> Outgoing {
-        let worker = worker_of(state, task);
-        state.task_done(
-            &worker,
-            TaskDone {
-                task: task.task.clone(),
-                outputs: vec![OutputMeta { rows: 1, bytes }],
-                stats: None,
-            },
-        )
-    }
 
     fn job_of(task: &AssignTask) -> String {
         task.task.as_ref().unwrap().job_id.clone()
@@ -280,11 +255,11 @@ mod tests {
     fn higher_priority_jobs_start_first_and_equal_ones_in_order() {
         let mut state = State::new();
         let _w = add_worker(&mut state, "w", 1);
-        let (low, _) = state.submit(T, tasks(3));
+        let (low, _) = state.submit(T, one_stage(3));
         let mut pending = assigned(&state.dispatch());
         assert_eq!(pending.len(), 2, "one running, one queued on the worker");
-        let (high, _) = state.submit_at(T, tasks(3), 5);
-        let (later_low, _) = state.submit(T, tasks(1));
+        let (high, _) = state.submit_at(T, one_stage(3), 5);
+        let (later_low, _) = state.submit(T, one_stage(1));
         pending.extend(assigned(&state.dispatch()));
         let mut order = Vec::new();
         while !pending.is_empty() {
@@ -311,9 +286,9 @@ mod tests {
         );
         let _w = add_worker(&mut state, "w", 8);
         // The light tenant submits first and more: FIFO would give it every place.
-        state.submit("light", tasks(100));
-        state.submit("light", tasks(100));
-        state.submit("heavy", tasks(100));
+        state.submit("light", one_stage(100));
+        state.submit("light", one_stage(100));
+        state.submit("heavy", one_stage(100));
         let first = assigned(&state.dispatch());
         assert_eq!(first.len(), 16);
         assert_eq!(state.ready.usage("light").0, 4);
@@ -340,10 +315,10 @@ mod tests {
             },
         );
         let _w = add_worker(&mut state, "w", 8);
-        state.submit("capped", tasks(10));
+        state.submit("capped", one_stage(10));
         let mut running = assigned(&state.dispatch());
         assert_eq!(running.len(), 2);
-        state.submit("other", tasks(3));
+        state.submit("other", one_stage(3));
         running.extend(assigned(&state.dispatch()));
         assert_eq!(running.len(), 5, "other tenants are not held back");
         let mut done = 0;
@@ -358,7 +333,7 @@ mod tests {
 
     /// `source` (n tasks, no inputs) -> `sink` (one-to-one).
     fn source_and_sink(n: u32) -> JobSpec {
-        let mut spec = tasks(n);
+        let mut spec = one_stage(n);
         spec.stages.push(Stage {
             name: "sink".into(),
             module_hash: "h".into(),

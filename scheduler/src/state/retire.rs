@@ -168,22 +168,9 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{T, add_worker, assigned, worker_of};
+    use super::super::tests::{T, add_worker, assigned, one_stage, worker_of};
     use super::*;
-    use wrk_proto::{JobSpec, OutputMeta, PartitionsFetched, Stage, TaskDone};
-
-    fn one_stage(n: u32) -> JobSpec {
-        JobSpec {
-            name: "j".into(),
-            stages: vec![Stage {
-                name: "s".into(),
-                module_hash: "h".into(),
-                num_tasks: n,
-                ..Default::default()
-            }],
-            ..Default::default()
-        }
-    }
+    use wrk_proto::{OutputMeta, PartitionsFetched, TaskDone};
 
     fn shutdowns(out: &Outgoing) -> usize {
         out.iter()
