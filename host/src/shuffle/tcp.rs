@@ -359,6 +359,24 @@ pub fn encode_delivery(delivery: &Delivery) -> Result<EncodedDelivery, String> {
     Ok(EncodedDelivery { header, payload })
 }
 
+/// [`encode_delivery`] off the async threads (sliced or dictionary columns make the encoder do
+/// real work), its failures in the words of `transport`'s send errors to `peer`.
+pub(super) async fn encode_off_thread(
+    delivery: Delivery,
+    peer: &ShufflePeer,
+    transport: &'static str,
+) -> Result<EncodedDelivery, TransportError> {
+    let send_err = |detail: String| TransportError::Send {
+        worker: peer.worker_id.clone(),
+        transport,
+        detail,
+    };
+    tokio::task::spawn_blocking(move || encode_delivery(&delivery))
+        .await
+        .map_err(|e| send_err(e.to_string()))?
+        .map_err(send_err)
+}
+
 /// Writes every slice, as few system calls as the socket takes.
 async fn write_all_vectored(stream: &mut TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
     let mut slices: Vec<IoSlice<'_>> = parts
@@ -394,11 +412,7 @@ impl Transport for TcpSender {
                 transport: "tcp",
                 detail,
             };
-            // Sliced or dictionary columns make the encoder do real work: off the async threads.
-            let encoded = tokio::task::spawn_blocking(move || encode_delivery(&delivery))
-                .await
-                .map_err(|e| send_err(e.to_string()))?
-                .map_err(send_err)?;
+            let encoded = encode_off_thread(delivery, peer, "tcp").await?;
             let payload_len = encoded.payload_len();
             let mut stream = self.connection(peer).await?;
             let header_len = (encoded.header.len() as u32).to_be_bytes();

@@ -22,7 +22,7 @@ use wrk_proto::{PushAck, PushPieces, ShufflePeer};
 use wrk_ucx::{Incoming, ReceiveBuffer, ReceiveBuffers, Ucx, UcxConfig};
 
 use super::pieces::PieceStore;
-use super::tcp::{encode_delivery, store_frame};
+use super::tcp::{encode_off_thread, store_frame};
 use super::transport::{Delivery, Transport, TransportError};
 use crate::memory::buffers::{self, PooledVec};
 use crate::metrics::WorkerMetrics;
@@ -193,10 +193,7 @@ impl Transport for UcxTransport {
                 transport: "ucx",
                 detail,
             };
-            let encoded = tokio::task::spawn_blocking(move || encode_delivery(&delivery))
-                .await
-                .map_err(|e| send_err(e.to_string()))?
-                .map_err(send_err)?;
+            let encoded = encode_off_thread(delivery, peer, "ucx").await?;
             let piece_bytes = encoded.payload_len();
             // The frame's header, then the tables' own buffers: UCX gathers them, no copy.
             let mut head = Vec::with_capacity(4 + encoded.header.len());
