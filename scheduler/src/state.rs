@@ -347,6 +347,16 @@ fn is_terminal(state: JobState) -> bool {
 }
 
 impl Job {
+    /// Every task of the job with its stage and index.
+    fn indexed_tasks(&self) -> impl Iterator<Item = (u32, u32, &TaskEntry)> {
+        self.tasks.iter().enumerate().flat_map(|(s, tasks)| {
+            tasks
+                .iter()
+                .enumerate()
+                .map(move |(i, t)| (s as u32, i as u32, t))
+        })
+    }
+
     fn stage_progress(&self) -> Vec<StageProgress> {
         self.spec
             .stages
@@ -496,15 +506,7 @@ impl Job {
             let moved = self.repair_shuffles(workers, offset);
             recompute += moved;
             let lost_and_needed: Vec<(u32, u32)> = self
-                .tasks
-                .iter()
-                .enumerate()
-                .flat_map(|(s, tasks)| {
-                    tasks
-                        .iter()
-                        .enumerate()
-                        .map(move |(i, t)| (s as u32, i as u32, t))
-                })
+                .indexed_tasks()
                 .filter(|(s, i, t)| {
                     matches!(&t.status, TaskStatus::Done { worker, .. }
                         if t.outputs_released || !workers.contains_key(worker))
@@ -1599,19 +1601,10 @@ impl State {
         job.state = state;
         job.error = error;
         let running: Vec<(u32, u32, String, u32)> = job
-            .tasks
-            .iter()
-            .enumerate()
-            .flat_map(|(s, tasks)| {
-                tasks
-                    .iter()
-                    .enumerate()
-                    .filter_map(move |(i, t)| match &t.status {
-                        TaskStatus::Running { worker } => {
-                            Some((s as u32, i as u32, worker.clone(), t.attempts))
-                        }
-                        _ => None,
-                    })
+            .indexed_tasks()
+            .filter_map(|(s, i, t)| match &t.status {
+                TaskStatus::Running { worker } => Some((s, i, worker.clone(), t.attempts)),
+                _ => None,
             })
             .collect();
         let mut freed = Vec::with_capacity(running.len());

@@ -89,24 +89,22 @@ impl State {
             if job.released {
                 continue;
             }
-            for (stage, tasks) in job.tasks.iter().enumerate() {
-                for (index, entry) in tasks.iter().enumerate() {
-                    let TaskStatus::Done { worker, outputs } = &entry.status else {
-                        continue;
-                    };
-                    let task = TaskRef {
-                        job: number,
-                        stage: stage as u32,
-                        index: index as u32,
-                    };
-                    if worker != worker_id || entry.outputs_released || self.moves.is_moving(task) {
-                        continue;
-                    }
-                    if outputs.is_empty() {
-                        empty.push(task);
-                    } else {
-                        held.push((task, outputs.iter().map(|o| o.bytes).sum()));
-                    }
+            for (stage, index, entry) in job.indexed_tasks() {
+                let TaskStatus::Done { worker, outputs } = &entry.status else {
+                    continue;
+                };
+                let task = TaskRef {
+                    job: number,
+                    stage,
+                    index,
+                };
+                if worker != worker_id || entry.outputs_released || self.moves.is_moving(task) {
+                    continue;
+                }
+                if outputs.is_empty() {
+                    empty.push(task);
+                } else {
+                    held.push((task, outputs.iter().map(|o| o.bytes).sum()));
                 }
             }
         }
