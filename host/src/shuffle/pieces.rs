@@ -426,6 +426,23 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn a_piece_released_while_its_reducer_streams_the_partition_is_named() {
+        let (store, _dir) = piece_store(1 << 30);
+        store.add(&part(3), 0, 1, table(&[1])).unwrap();
+        store.add(&part(3), 0, 1, table(&[2])).unwrap();
+        store.complete(&part(3), 0, 1).unwrap();
+        let ids = store.piece_ids(&part(3), 1).unwrap();
+        assert_eq!(values(&[store.take(&ids[0], None).unwrap()]), [1]);
+        store.release_partition(&part(3));
+        let err = store.take(&ids[1], None).unwrap_err();
+        assert!(err.is_retriable(), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "piece 1 of mapper 0 (attempt 1) for partition 3 of exchange `by-key` of job-000001 was released while its reducer read it"
+        );
+    }
+
+    #[test]
     fn releasing_a_job_keeps_other_jobs() {
         let (store, _dir) = piece_store(1 << 30);
         store.add(&part(0), 0, 1, table(&[1])).unwrap();
