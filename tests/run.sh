@@ -47,6 +47,16 @@ fi
 if [ -n "$(nvrtc_lib)" ]; then
     export LD_LIBRARY_PATH="$(nvrtc_lib)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# moto (a local server speaking the S3 API) from PyPI, in a virtualenv under target/: the object
+# store test reads a job's source from a bucket there. Without PyPI that test prints a skip line.
+S3_VENV=target/s3-venv
+if [ ! -x "$S3_VENV/bin/moto_server" ]; then
+    python3 -m venv "$S3_VENV" >/dev/null 2>&1 || true
+    if ! timeout 600 "$S3_VENV/bin/pip" install -q --disable-pip-version-check \
+        "moto[server]==5.2.5" >/dev/null 2>&1; then
+        echo "tests/run.sh: could not install moto from PyPI; the object store test will print a skip line" >&2
+    fi
+fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --features wrk-tests/ucx -- -D warnings
 cargo test --workspace --features wrk-tests/ucx --exclude taxi-haversine --exclude noop \

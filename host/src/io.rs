@@ -2,7 +2,8 @@
 //! size, reading a partition (with column projection and row-group selection) and writing a table
 //! to a sink.
 //!
-//! A source or sink is a local file or directory; every error names the file and the cause.
+//! A source or sink is a local file or directory, or an object store URL (`remote`); every error
+//! names the file and the cause.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -10,17 +11,21 @@ use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
-use arrow::record_batch::RecordBatchReader;
+use parquet::DecodeResult;
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::ProjectionMask;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{
+    ArrowReaderBuilder, ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
+};
+use parquet::arrow::push_decoder::ParquetPushDecoderBuilder;
 use parquet::basic::{Compression, ZstdLevel};
-use parquet::file::metadata::ParquetMetaData;
+use parquet::errors::ParquetError;
+use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataPushDecoder, ParquetMetaDataReader};
 use parquet::file::properties::WriterProperties;
-use parquet::file::reader::{FileReader, SerializedFileReader};
 use wrk_proto::{FileSlice, ParquetPartition};
 
 use crate::expr::Expr;
+use crate::object_cache::ObjectCache;
 
 /// Rows per batch while decoding Parquet (the batches are concatenated into one table).
 const READ_BATCH_ROWS: usize = 8192;
@@ -73,33 +78,74 @@ pub enum IoError {
     UnsupportedUri { uri: String },
     #[error("object store: {0}")]
     Remote(#[from] crate::remote::RemoteError),
+    #[error("WRK_OBJECT_CACHE_BYTES=`{value}` is not a size (`20GiB`, `0` for no cache): {detail}")]
+    CacheSize { value: String, detail: String },
 }
 
-/// One Parquet file of a source: its name (a path or an object URL) and a local file holding its
-/// bytes (the file itself, or the object downloaded into the cache).
-#[derive(Debug, Clone)]
-pub struct SourceFile {
-    pub uri: String,
-    pub path: PathBuf,
+/// One Parquet file of a source: its name (a path or an object URL) and where its bytes are.
+struct SourceFile {
+    uri: String,
+    location: Location,
 }
 
-/// Where downloaded source objects are cached: `$WRK_OBJECT_CACHE`, else `objects` beside the
-/// component cache, else the temporary directory.
-fn object_cache() -> PathBuf {
-    if let Some(dir) = std::env::var_os("WRK_OBJECT_CACHE") {
-        return PathBuf::from(dir);
+enum Location {
+    Local(PathBuf),
+    /// Read by byte ranges through the object cache.
+    Remote(crate::remote::RemoteObject),
+}
+
+impl SourceFile {
+    fn open(uri: &str) -> Result<Self, IoError> {
+        let location = if crate::remote::is_remote(uri) {
+            Location::Remote(crate::remote::RemoteObject::open(uri, object_cache()?)?)
+        } else {
+            Location::Local(local_path(uri)?)
+        };
+        Ok(Self {
+            uri: uri.to_string(),
+            location,
+        })
     }
-    crate::engine::default_cache_dir()
-        .and_then(|components| components.parent().map(|wrk| wrk.join("objects")))
-        .unwrap_or_else(|| std::env::temp_dir().join("wrk-objects"))
+
+    /// The name errors give: the local path, or the object's URL.
+    fn name(&self) -> PathBuf {
+        match &self.location {
+            Location::Local(path) => path.clone(),
+            Location::Remote(_) => PathBuf::from(&self.uri),
+        }
+    }
+
+    fn parquet_error(&self, source: parquet::errors::ParquetError) -> IoError {
+        IoError::Parquet {
+            path: self.name(),
+            source,
+        }
+    }
 }
 
-/// A local file holding the Parquet file `uri` (downloading it when it is an object URL).
-fn resolve(uri: &str) -> Result<PathBuf, IoError> {
-    if crate::remote::is_remote(uri) {
-        return Ok(crate::remote::fetch(uri, &object_cache())?);
-    }
-    local_path(uri)
+/// The cache of ranges read from object stores: in `$WRK_OBJECT_CACHE`, else `objects` beside the
+/// component cache, else the temporary directory; holding at most `$WRK_OBJECT_CACHE_BYTES`
+/// (a size such as `20GiB`; `0` turns caching off; 8 GiB by default).
+fn object_cache() -> Result<ObjectCache, IoError> {
+    let dir = match std::env::var_os("WRK_OBJECT_CACHE") {
+        Some(dir) => PathBuf::from(dir),
+        None => crate::engine::default_cache_dir()
+            .and_then(|components| components.parent().map(|wrk| wrk.join("objects")))
+            .unwrap_or_else(|| std::env::temp_dir().join("wrk-objects")),
+    };
+    let capacity = match std::env::var("WRK_OBJECT_CACHE_BYTES") {
+        Err(_) => crate::object_cache::DEFAULT_CAPACITY,
+        Ok(text) => {
+            text.trim()
+                .parse::<bytesize::ByteSize>()
+                .map_err(|detail| IoError::CacheSize {
+                    value: text.clone(),
+                    detail,
+                })?
+                .0
+        }
+    };
+    Ok(ObjectCache::new(dir, capacity))
 }
 
 fn local_path(uri: &str) -> Result<PathBuf, IoError> {
@@ -115,8 +161,8 @@ fn local_path(uri: &str) -> Result<PathBuf, IoError> {
 }
 
 /// The Parquet files of a source: the file itself, or a directory's `*.parquet` files (recursively)
-/// in path order.
-pub fn list_files(uri: &str) -> Result<Vec<SourceFile>, IoError> {
+/// in path order; for an object store, the objects under the prefix.
+fn list_files(uri: &str) -> Result<Vec<SourceFile>, IoError> {
     if crate::remote::is_remote(uri) {
         let objects = crate::remote::list(uri)?;
         if objects.is_empty() {
@@ -125,18 +171,15 @@ pub fn list_files(uri: &str) -> Result<Vec<SourceFile>, IoError> {
             });
         }
         return objects
-            .into_iter()
-            .map(|object| {
-                let path = resolve(&object)?;
-                Ok(SourceFile { uri: object, path })
-            })
+            .iter()
+            .map(|object| SourceFile::open(object))
             .collect();
     }
     Ok(list_local_files(uri)?
         .into_iter()
         .map(|path| SourceFile {
             uri: path.to_string_lossy().into_owned(),
-            path,
+            location: Location::Local(path),
         })
         .collect())
 }
@@ -186,12 +229,42 @@ fn open(path: &Path) -> Result<File, IoError> {
     })
 }
 
-fn metadata(path: &Path) -> Result<Arc<ParquetMetaData>, IoError> {
-    let reader = SerializedFileReader::new(open(path)?).map_err(|source| IoError::Parquet {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    Ok(Arc::new(reader.metadata().clone()))
+/// How many bytes at an object's end are read first for its footer: the usual footer in one
+/// request (a larger one takes a second).
+const FOOTER_PREFETCH: u64 = 64 * 1024;
+
+/// A file's footer: its schema, row groups and their statistics.
+fn metadata(file: &SourceFile) -> Result<Arc<ParquetMetaData>, IoError> {
+    match &file.location {
+        Location::Local(path) => {
+            let meta = ParquetMetaDataReader::new()
+                .parse_and_finish(&open(path)?)
+                .map_err(|e| file.parquet_error(e))?;
+            Ok(Arc::new(meta))
+        }
+        Location::Remote(object) => {
+            let size = object.size();
+            let mut decoder =
+                ParquetMetaDataPushDecoder::try_new(size).map_err(|e| file.parquet_error(e))?;
+            let tail = size.saturating_sub(FOOTER_PREFETCH)..size;
+            let mut ranges = Vec::from([tail]);
+            loop {
+                let data = object.read_ranges(&ranges)?;
+                decoder
+                    .push_ranges(ranges, data)
+                    .map_err(|e| file.parquet_error(e))?;
+                match decoder.try_decode().map_err(|e| file.parquet_error(e))? {
+                    DecodeResult::NeedsData(more) => ranges = more,
+                    DecodeResult::Data(meta) => return Ok(Arc::new(meta)),
+                    DecodeResult::Finished => {
+                        return Err(file.parquet_error(ParquetError::General(
+                            "the footer ended without metadata".into(),
+                        )));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Splits a source into partitions of whole row groups, each close to `target_bytes` of
@@ -205,8 +278,9 @@ pub fn plan_partitions(
     let files = list_files(uri)?;
     let mut partitions = Vec::new();
     let mut first_schema: Option<(PathBuf, Vec<String>)> = None;
-    for SourceFile { uri, path } in files {
-        let meta = metadata(&path)?;
+    for file in files {
+        let meta = metadata(&file)?;
+        let (uri, path) = (file.uri.clone(), file.name());
         let schema = meta.file_metadata().schema_descr();
         let names: Vec<String> = schema
             .columns()
@@ -283,9 +357,11 @@ pub fn plan_partitions(
 pub fn read_partition(partition: &ParquetPartition) -> Result<RecordBatch, IoError> {
     let mut batches = Vec::with_capacity(partition.files.len());
     for slice in &partition.files {
-        let path = resolve(&slice.uri)?;
+        let file = SourceFile::open(&slice.uri)?;
+        let footer = metadata(&file)?;
         batches.push(read_file(
-            &path,
+            &file,
+            footer,
             &partition.columns,
             Some(&slice.row_groups),
         )?);
@@ -316,7 +392,7 @@ pub fn read_source(
     let files = list_files(uri)?;
     let footers = files
         .iter()
-        .map(|file| metadata(&file.path))
+        .map(metadata)
         .collect::<Result<Vec<_>, IoError>>()?;
     let counts: Vec<usize> = footers.iter().map(|m| m.num_row_groups()).collect();
     let total_groups: usize = counts.iter().sum();
@@ -332,7 +408,7 @@ pub fn read_source(
     let mut batches = Vec::new();
     let mut first_group = 0u32;
     let (mut read_groups, mut skipped_groups) = (0usize, 0usize);
-    for ((SourceFile { path, .. }, &groups), footer) in files.iter().zip(&counts).zip(&footers) {
+    for ((file, &groups), footer) in files.iter().zip(&counts).zip(&footers) {
         let mut wanted: Option<Vec<u32>> = row_groups.map(|all| {
             all.iter()
                 .filter(|&&g| g >= first_group && g < first_group + groups as u32)
@@ -344,10 +420,7 @@ pub fn read_source(
                 footer.file_metadata().schema_descr(),
                 footer.file_metadata().key_value_metadata(),
             )
-            .map_err(|source| IoError::Parquet {
-                path: path.clone(),
-                source,
-            })?;
+            .map_err(|e| file.parquet_error(e))?;
             let candidates = wanted.unwrap_or_else(|| (0..groups as u32).collect());
             let kept: Vec<u32> = candidates
                 .iter()
@@ -361,7 +434,7 @@ pub fn read_source(
         }
         read_groups += wanted.as_ref().map_or(groups, Vec::len);
         if wanted.as_ref().is_none_or(|w| !w.is_empty()) {
-            batches.push(read_file(path, columns, wanted.as_deref())?);
+            batches.push(read_file(file, footer.clone(), columns, wanted.as_deref())?);
         }
         first_group += groups as u32;
     }
@@ -375,7 +448,7 @@ pub fn read_source(
     }
     let batch = if batches.is_empty() {
         // Every row group was excluded: an empty table with the source's schema.
-        read_file(&files[0].path, columns, Some(&[]))?
+        read_file(&files[0], footers[0].clone(), columns, Some(&[]))?
     } else {
         concat_file_batches(batches)?
     };
@@ -402,64 +475,53 @@ fn concat_file_batches(batches: Vec<RecordBatch>) -> Result<RecordBatch, IoError
     })
 }
 
+/// Reads some `columns` (all when empty, in the order asked) and `row_groups` (all when `None`)
+/// of one file whose footer is `footer`, into one batch.
 fn read_file(
-    path: &Path,
+    file: &SourceFile,
+    footer: Arc<ParquetMetaData>,
     columns: &[String],
     row_groups: Option<&[u32]>,
 ) -> Result<RecordBatch, IoError> {
-    let parquet_err = |source| IoError::Parquet {
-        path: path.to_path_buf(),
-        source,
+    let parquet_err = |e| file.parquet_error(e);
+    let arrow_err =
+        |e: arrow::error::ArrowError| parquet_err(ParquetError::ArrowError(e.to_string()));
+    let footer =
+        ArrowReaderMetadata::try_new(footer, ArrowReaderOptions::new()).map_err(parquet_err)?;
+    // The schema of a read that selects no row, in the order asked.
+    let empty_schema = if columns.is_empty() {
+        footer.schema().clone()
+    } else {
+        let indices = column_indices(file, footer.schema(), columns)?;
+        Arc::new(footer.schema().project(&indices).map_err(arrow_err)?)
     };
-    let mut builder = ParquetRecordBatchReaderBuilder::try_new(open(path)?).map_err(parquet_err)?;
-    let available = builder.metadata().num_row_groups();
-    if let Some(groups) = row_groups {
-        if let Some(&bad) = groups.iter().find(|&&g| g as usize >= available) {
-            return Err(IoError::NoSuchRowGroup {
-                path: path.to_path_buf(),
-                requested: bad,
-                available,
-            });
+    let batches = match &file.location {
+        Location::Local(path) => {
+            let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(open(path)?, footer);
+            let reader = configure(file, builder, columns, row_groups)?
+                .build()
+                .map_err(parquet_err)?;
+            reader.collect::<Result<Vec<_>, _>>().map_err(arrow_err)?
         }
-        builder = builder.with_row_groups(groups.iter().map(|&g| g as usize).collect());
-    }
-    if !columns.is_empty() {
-        let schema = builder.schema().clone();
-        let indices = columns
-            .iter()
-            .map(|c| {
-                schema.index_of(c).map_err(|_| IoError::UnknownColumn {
-                    path: path.to_path_buf(),
-                    column: c.clone(),
-                    available: crate::expr::column_list(&schema),
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mask = ProjectionMask::roots(builder.parquet_schema(), indices.iter().copied());
-        builder = builder.with_projection(mask);
-    }
-    let rows: usize = match row_groups {
-        Some(groups) => groups
-            .iter()
-            .map(|&g| builder.metadata().row_group(g as usize).num_rows().max(0) as usize)
-            .sum(),
-        None => builder
-            .metadata()
-            .row_groups()
-            .iter()
-            .map(|g| g.num_rows().max(0) as usize)
-            .sum(),
+        Location::Remote(object) => {
+            let builder = ParquetPushDecoderBuilder::new_with_metadata(footer);
+            let mut decoder = configure(file, builder, columns, row_groups)?
+                .build()
+                .map_err(parquet_err)?;
+            let mut batches = Vec::new();
+            loop {
+                match decoder.try_decode().map_err(parquet_err)? {
+                    DecodeResult::NeedsData(ranges) => {
+                        let data = object.read_ranges(&ranges)?;
+                        decoder.push_ranges(ranges, data).map_err(parquet_err)?;
+                    }
+                    DecodeResult::Data(batch) => batches.push(batch),
+                    DecodeResult::Finished => break,
+                }
+            }
+            batches
+        }
     };
-    let reader = builder
-        // Small batches concatenated once beat one huge batch: every page of a fresh
-        // multi-megabyte buffer faults on first touch, a small one is reused hot.
-        .with_batch_size(rows.clamp(1, READ_BATCH_ROWS))
-        .build()
-        .map_err(parquet_err)?;
-    let schema: SchemaRef = reader.schema();
-    let batches = reader
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| parquet_err(parquet::errors::ParquetError::ArrowError(e.to_string())))?;
     let batches = if columns.is_empty() {
         batches
     } else {
@@ -474,11 +536,69 @@ fn read_file(
                 b.project(&order)
             })
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| parquet_err(parquet::errors::ParquetError::ArrowError(e.to_string())))?
+            .map_err(arrow_err)?
     };
-    let schema = batches.first().map(|b| b.schema()).unwrap_or(schema);
-    arrow::compute::concat_batches(&schema, &batches)
-        .map_err(|e| parquet_err(parquet::errors::ParquetError::ArrowError(e.to_string())))
+    let schema = batches.first().map_or(empty_schema, |b| b.schema());
+    arrow::compute::concat_batches(&schema, &batches).map_err(arrow_err)
+}
+
+/// Applies a read's row groups and projection to a reader of either kind, checking both against
+/// the footer first.
+fn configure<T>(
+    file: &SourceFile,
+    builder: ArrowReaderBuilder<T>,
+    columns: &[String],
+    row_groups: Option<&[u32]>,
+) -> Result<ArrowReaderBuilder<T>, IoError> {
+    let mut builder = builder;
+    let available = builder.metadata().num_row_groups();
+    if let Some(groups) = row_groups {
+        if let Some(&bad) = groups.iter().find(|&&g| g as usize >= available) {
+            return Err(IoError::NoSuchRowGroup {
+                path: file.name(),
+                requested: bad,
+                available,
+            });
+        }
+        builder = builder.with_row_groups(groups.iter().map(|&g| g as usize).collect());
+    }
+    if !columns.is_empty() {
+        let indices = column_indices(file, builder.schema(), columns)?;
+        let mask = ProjectionMask::roots(builder.parquet_schema(), indices);
+        builder = builder.with_projection(mask);
+    }
+    let rows: usize = match row_groups {
+        Some(groups) => groups
+            .iter()
+            .map(|&g| builder.metadata().row_group(g as usize).num_rows().max(0) as usize)
+            .sum(),
+        None => builder
+            .metadata()
+            .row_groups()
+            .iter()
+            .map(|g| g.num_rows().max(0) as usize)
+            .sum(),
+    };
+    // Small batches concatenated once beat one huge batch: every page of a fresh multi-megabyte
+    // buffer faults on first touch, a small one is reused hot.
+    Ok(builder.with_batch_size(rows.clamp(1, READ_BATCH_ROWS)))
+}
+
+fn column_indices(
+    file: &SourceFile,
+    schema: &SchemaRef,
+    columns: &[String],
+) -> Result<Vec<usize>, IoError> {
+    columns
+        .iter()
+        .map(|c| {
+            schema.index_of(c).map_err(|_| IoError::UnknownColumn {
+                path: file.name(),
+                column: c.clone(),
+                available: crate::expr::column_list(schema),
+            })
+        })
+        .collect()
 }
 
 /// Writes `batch` as `<sink>/<name>.parquet` (zstd-compressed), creating the directory.
@@ -620,7 +740,7 @@ mod tests {
             lhs: Arc::new(Expr::col("id")),
             rhs: Arc::new(Expr::Literal(crate::expr::Literal::Int64(v))),
         };
-        let footer = metadata(&path).unwrap();
+        let footer = metadata(&SourceFile::open(&path.to_string_lossy()).unwrap()).unwrap();
         let schema = parquet::arrow::parquet_to_arrow_schema(
             footer.file_metadata().schema_descr(),
             footer.file_metadata().key_value_metadata(),
@@ -646,6 +766,145 @@ mod tests {
         );
         let none = read_source(&uri, &[], None, Some(&at_least(1000))).unwrap();
         assert_eq!((none.num_rows(), none.num_columns()), (0, 2));
+    }
+
+    /// A Parquet object of 100,000 rows in 10 row groups (`id`, `x` and a string column `s`)
+    /// served over HTTP, and a cache of `capacity` bytes for reading it.
+    fn served_object(
+        capacity: u64,
+    ) -> (
+        tokio::runtime::Runtime,
+        String,
+        Arc<crate::remote::test_server::Objects>,
+        tempfile::TempDir,
+        ObjectCache,
+    ) {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let (base, objects) = crate::remote::test_server::start(&runtime);
+        let dir = tempfile::tempdir().unwrap();
+        let local = dir.path().join("trips.parquet");
+        let strings = arrow::array::StringArray::from_iter_values(
+            (0..100_000u64).map(|i| format!("{:016x}", i.wrapping_mul(0x9e37_79b9_7f4a_7c15))),
+        );
+        let table = batch(0, 100_000)
+            .project(&[0, 1])
+            .and_then(|b| {
+                let mut columns = b.columns().to_vec();
+                columns.push(Arc::new(strings));
+                RecordBatch::try_from_iter(["id", "x", "s"].into_iter().zip(columns))
+            })
+            .unwrap();
+        write_file(&local, &[table], 10_000).unwrap();
+        objects
+            .bodies
+            .lock()
+            .unwrap()
+            .insert("/trips.parquet".into(), std::fs::read(&local).unwrap());
+        let cache = ObjectCache::new(dir.path().join("cache"), capacity);
+        (
+            runtime,
+            format!("{base}/trips.parquet"),
+            objects,
+            dir,
+            cache,
+        )
+    }
+
+    fn open_remote(url: &str, cache: &ObjectCache) -> SourceFile {
+        SourceFile {
+            uri: url.to_string(),
+            location: Location::Remote(
+                crate::remote::RemoteObject::open(url, cache.clone()).unwrap(),
+            ),
+        }
+    }
+
+    #[test]
+    fn remote_reads_fetch_only_the_selected_column_chunks_and_reuse_the_cache() {
+        let (_runtime, url, objects, _dir, cache) = served_object(64 << 20);
+        let size = objects.bodies.lock().unwrap()["/trips.parquet"].len() as u64;
+        let file = open_remote(&url, &cache);
+        let footer = metadata(&file).unwrap();
+        assert_eq!(footer.num_row_groups(), 10);
+        let read = read_file(&file, footer, &["x".into()], Some(&[3])).unwrap();
+        let x = read
+            .column(0)
+            .as_any()
+            .downcast_ref::<Float64Array>()
+            .unwrap();
+        assert_eq!((x.len(), x.value(0)), (10_000, 15_000.0));
+        let (gets, sent) = (objects.gets(), objects.bytes_sent());
+        assert!(
+            sent < size / 5,
+            "one column of one row group read {sent} of the object's {size} bytes"
+        );
+
+        // A second read of the same version: footer and chunk come from the cache.
+        let again = open_remote(&url, &cache);
+        let footer = metadata(&again).unwrap();
+        let reread = read_file(&again, footer, &["x".into()], Some(&[3])).unwrap();
+        assert_eq!(reread, read);
+        assert_eq!(objects.gets(), gets, "no GET on a cache hit");
+
+        // A changed object (another entity tag) is read afresh.
+        let changed = {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("changed.parquet");
+            write_file(&path, &[batch(7, 10)], 100).unwrap();
+            std::fs::read(path).unwrap()
+        };
+        objects
+            .bodies
+            .lock()
+            .unwrap()
+            .insert("/trips.parquet".into(), changed);
+        let fresh = open_remote(&url, &cache);
+        let footer = metadata(&fresh).unwrap();
+        let ids = read_file(&fresh, footer, &["id".into()], None).unwrap();
+        let ids = ids.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+        assert_eq!((ids.len(), ids.value(0)), (10, 7));
+        assert!(objects.gets() > gets);
+    }
+
+    #[test]
+    fn the_object_cache_stays_within_its_capacity() {
+        let capacity = 300 * 1024;
+        let (_runtime, url, objects, _dir, cache) = served_object(capacity);
+        let cached_bytes = || -> u64 {
+            std::fs::read_dir(_dir.path().join("cache"))
+                .unwrap()
+                .map(|e| e.unwrap().metadata().unwrap().len())
+                .sum()
+        };
+        let file = open_remote(&url, &cache);
+        let footer = metadata(&file).unwrap();
+        for group in 0..10 {
+            let read = read_file(&file, footer.clone(), &[], Some(&[group])).unwrap();
+            assert_eq!(read.num_rows(), 10_000);
+            let cached = cached_bytes();
+            assert!(cached > 0 && cached <= capacity, "{cached} bytes cached");
+        }
+        // The first row groups were evicted: reading one again fetches it.
+        let gets = objects.gets();
+        read_file(&file, footer, &[], Some(&[0])).unwrap();
+        assert!(objects.gets() > gets);
+    }
+
+    #[test]
+    fn a_corrupt_object_is_named_by_its_url() {
+        let (_runtime, url, objects, _dir, cache) = served_object(1 << 20);
+        objects.bodies.lock().unwrap().insert(
+            "/trips.parquet".into(),
+            b"PAR1 not parquet at all PAR1".to_vec(),
+        );
+        let err = metadata(&open_remote(&url, &cache))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains(&url) && err.contains("not a readable Parquet file"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub mod io;
 pub mod limits;
 pub mod memory;
 pub mod metrics;
+pub mod object_cache;
 mod prune;
 pub mod remote;
 pub mod shuffle;
