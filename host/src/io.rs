@@ -539,7 +539,7 @@ fn read_file(
             .map_err(arrow_err)?
     };
     let schema = batches.first().map_or(empty_schema, |b| b.schema());
-    arrow::compute::concat_batches(&schema, &batches).map_err(arrow_err)
+    crate::cpu::pooled::concat_batches(&schema, batches).map_err(arrow_err)
 }
 
 /// Applies a read's row groups and projection to a reader of either kind, checking both against

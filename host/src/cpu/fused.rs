@@ -182,7 +182,10 @@ pub fn try_evaluate(expr: &Expr, batch: &RecordBatch) -> Option<Result<ArrayRef,
         Ok(t) => t,
         Err(e) => return Some(Err(e)),
     };
-    if matches!(expr, Expr::Column(_) | Expr::Literal(_)) || !fusible(expr, &schema) {
+    if matches!(expr, Expr::Column(_) | Expr::Literal(_))
+        || column_against_literal(expr, &schema)
+        || !fusible(expr, &schema)
+    {
         return None;
     }
     let mut compiler = Compiler {
@@ -209,6 +212,24 @@ pub fn try_evaluate(expr: &Expr, batch: &RecordBatch) -> Option<Result<ArrayRef,
                 detail,
             }),
     )
+}
+
+/// Whether `expr` compares a column with a literal of the column's own type (`fare > 30.0`, the
+/// usual filter): Arrow's comparison kernel reads the column in place and writes the bits
+/// directly, where the program would copy each block into a register first.
+fn column_against_literal(expr: &Expr, schema: &Schema) -> bool {
+    let Expr::Binary { op, lhs, rhs } = expr else {
+        return false;
+    };
+    let comparison = matches!(
+        op,
+        BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
+    );
+    let same_type = |a: &Expr, b: &Expr| {
+        matches!((a, b), (Expr::Column(_), Expr::Literal(_)))
+            && matches!((a.data_type(schema), b.data_type(schema)), (Ok(x), Ok(y)) if x == y)
+    };
+    comparison && (same_type(lhs, rhs) || same_type(rhs, lhs))
 }
 
 /// Whether the program can evaluate `expr`'s top node itself (its children may still be leaves
@@ -1208,6 +1229,12 @@ mod tests {
             otherwise: Arc::new(Expr::Literal(Literal::Utf8("z".into()))),
         };
         assert!(try_evaluate(&upper, &batch).is_none());
+        // A column against a literal of its type: Arrow's comparison kernel.
+        assert!(try_evaluate(&bin(BinaryOp::Gt, c("x"), f(0.5)), &batch).is_none());
+        assert!(try_evaluate(&bin(BinaryOp::Le, f(0.5), c("x")), &batch).is_none());
+        // Against another column, or needing a cast: the program.
+        assert!(try_evaluate(&bin(BinaryOp::Gt, c("x"), c("y")), &batch).is_some());
+        assert!(try_evaluate(&bin(BinaryOp::Gt, c("x"), i(1)), &batch).is_some());
     }
 
     #[test]

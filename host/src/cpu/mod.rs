@@ -10,6 +10,7 @@ pub mod join;
 pub(crate) mod keys;
 pub mod ops;
 pub mod partition;
+pub mod pooled;
 pub mod sort;
 
 #[cfg(test)]

@@ -72,7 +72,7 @@ pub fn select(batch: &RecordBatch, columns: &[String]) -> Result<RecordBatch, Op
 /// The rows where `predicate` is true.
 pub fn filter(batch: &RecordBatch, predicate: &Expr) -> Result<RecordBatch, OpError> {
     let mask = eval::evaluate_predicate(predicate, batch)?;
-    compute::filter_record_batch(batch, &mask).map_err(arrow_err("filter"))
+    super::pooled::filter_batch(batch, &mask).map_err(arrow_err("filter"))
 }
 
 /// Adds or replaces columns, every expression evaluated against the input batch.
@@ -144,7 +144,7 @@ pub fn concat(batches: &[&RecordBatch]) -> Result<RecordBatch, OpError> {
     let columns = (0..schema.fields().len())
         .map(|i| {
             let arrays: Vec<&dyn Array> = batches.iter().map(|b| b.column(i).as_ref()).collect();
-            compute::concat(&arrays)
+            super::pooled::concat(&arrays)
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(arrow_err("concat"))?;

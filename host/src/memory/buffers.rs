@@ -274,6 +274,38 @@ impl<T: ArrowNativeType> PooledVec<T> {
         }
     }
 
+    /// Appends every item of `items`; outgrowing a pooled block moves the items to a plain
+    /// `Vec`.
+    pub fn extend(&mut self, items: impl IntoIterator<Item = T>) {
+        let mut items = items.into_iter();
+        if let Storage::Pooled {
+            block,
+            len,
+            capacity,
+            ..
+        } = &mut self.storage
+        {
+            let base = block.ptr.as_ptr().cast::<T>();
+            let mut written = *len;
+            while written < *capacity {
+                let Some(item) = items.next() else {
+                    *len = written;
+                    return;
+                };
+                // SAFETY: the block holds `capacity` items of `T` and `written` is below it.
+                unsafe { base.add(written).write(item) };
+                written += 1;
+            }
+            *len = written;
+            let mut plain = Vec::with_capacity(written + items.size_hint().0);
+            plain.extend_from_slice(self.as_slice());
+            self.storage = Storage::Plain(plain);
+        }
+        if let Storage::Plain(v) = &mut self.storage {
+            v.extend(items);
+        }
+    }
+
     fn as_slice(&self) -> &[T] {
         match &self.storage {
             Storage::Plain(v) => v,
@@ -420,6 +452,19 @@ mod tests {
         plain.extend_from_slice(&[1; 3]);
         drop(plain.into_scalar_buffer());
         assert_eq!(off.stats(), BufferStats::default());
+    }
+
+    #[test]
+    fn items_extend_a_block_then_overflow_into_a_plain_vector() {
+        let pool = Arc::new(BufferPool::with_limit(64 << 20));
+        let mut values = PooledVec::<i32>::with_capacity(&pool, 20_000);
+        values.extend(0..20_000);
+        assert_eq!(pool.stats().allocated, 1);
+        // The block has some slack past 20,000 items; 10,000 more outgrow it.
+        values.extend(20_000..30_000);
+        let buffer = values.into_scalar_buffer();
+        assert_eq!(buffer.len(), 30_000);
+        assert!(buffer.iter().enumerate().all(|(i, v)| *v == i as i32));
     }
 
     #[test]
