@@ -345,7 +345,13 @@ fn eval_unary(op: UnaryOp, arg: Value, arg_type: &DataType) -> Result<Value, Arr
                 ArrowError::InvalidArgumentError(format!("{op:?} is not a math function"))
             })?;
             arg.cast(&DataType::Float64)?.map(|a| {
-                let result: Float64Array = unary(a.as_primitive::<Float64Type>(), f);
+                let a = a.as_primitive::<Float64Type>();
+                let mut values = vec![0.0; a.len()];
+                let result = if super::vector_math::apply(op, a.values(), &mut values) {
+                    Float64Array::new(values.into(), a.nulls().cloned())
+                } else {
+                    unary(a, f)
+                };
                 Ok(Arc::new(result) as ArrayRef)
             })
         }

@@ -849,6 +849,9 @@ fn unary(op: UnaryOp, src: &Register, len: usize, out: &mut Register) {
             }
         }
         (Values::F64(s), Values::F64(d)) => {
+            if super::vector_math::apply(op, &s[..len], &mut d[..len]) {
+                return;
+            }
             let f: fn(f64) -> f64 = match op {
                 Neg => |v| -v,
                 Abs => f64::abs,

@@ -12,6 +12,7 @@ pub mod ops;
 pub mod partition;
 pub mod pooled;
 pub mod sort;
+pub(crate) mod vector_math;
 
 #[cfg(test)]
 mod all_types {
