@@ -111,9 +111,10 @@ fn dashboard_and_report_show_the_job_that_just_ran() {
     let mut processes = Processes(Vec::new());
     let scheduler = start_scheduler(&mut processes, &[], &[]);
     let (url, http) = (scheduler.url.clone(), scheduler.http.clone());
-    for id in ["w1", "w2"] {
-        processes.0.push(start_worker(&url, id, &[]));
-    }
+    processes
+        .0
+        .push(start_worker(&url, "w1", &["--tags", "nvme"]));
+    processes.0.push(start_worker(&url, "w2", &[]));
     wait_for_workers(&url, 2, None);
     let out = tempfile::tempdir().unwrap();
     let report = out.path().join("report.html");
@@ -192,9 +193,17 @@ fn dashboard_and_report_show_the_job_that_just_ran() {
         .map(|w| w["id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, ["w1", "w2"]);
+    // Given tags and the automatic `cpu` (no GPU here), sorted.
+    assert_eq!(
+        workers["workers"][0]["tags"],
+        serde_json::json!(["cpu", "nvme"])
+    );
+    assert_eq!(workers["workers"][1]["tags"], serde_json::json!(["cpu"]));
     let jobs = api(&http, "/api/jobs");
     assert_eq!(jobs["jobs"][0]["id"], "job-000001", "{jobs}");
     assert_eq!(jobs["jobs"][0]["state"], "succeeded", "{jobs}");
+    assert_eq!(jobs["jobs"][0]["priority"], 0, "{jobs}");
+    assert_eq!(jobs["jobs"][0]["waiting"], "", "{jobs}");
     let (head, page) = http_get(&http, "/");
     assert!(head.to_lowercase().contains("text/html"), "{head}");
     assert!(page.contains("<canvas id=\"stream\""));
@@ -237,6 +246,10 @@ fn dashboard_and_report_show_the_job_that_just_ran() {
             "worker {worker} in the dashboard"
         );
     }
+    assert!(
+        dom.contains("<span class=\"tag\">nvme</span>"),
+        "w1's tag in the dashboard"
+    );
     assert!(
         dom.contains("data-job=\"job-000001\""),
         "the job in the dashboard"

@@ -231,13 +231,16 @@
       var busy = Math.min(100, (100 * w.assigned) / capacity);
       var mem = w.pool_bytes > 0 ? w.pool_used_bytes / w.pool_bytes : w.pool_used_bytes / largest;
       var memText = T.formatBytes(w.pool_used_bytes) + (w.pool_bytes > 0 ? " / " + T.formatBytes(w.pool_bytes) : "");
+      var tags = w.tags.map(function (tag) {
+        return '<span class="tag">' + T.escapeHtml(tag) + "</span>";
+      }).join(" ");
       return '<tr data-worker="' + T.escapeHtml(w.id) + '"><td class="mono" title="' + T.escapeHtml(w.address) + '">' + T.escapeHtml(w.id) +
-        "</td><td" + deviceTitle(w) + ">" + T.escapeHtml(deviceText(w)) +
+        "</td><td" + deviceTitle(w) + ">" + T.escapeHtml(deviceText(w)) + '</td><td class="tags">' + tags +
         '</td><td><span class="bar" title="' + w.assigned + " assigned (running or queued) for " + w.slots + ' slots"><span class="busy" style="width:' + busy.toFixed(1) + '%"></span></span> ' + w.assigned + "/" + w.slots +
         '</td><td><span class="bar"><span class="mem" style="width:' + (100 * Math.min(1, mem)).toFixed(1) + '%"></span></span> ' + memText +
         '</td><td class="num">' + w.partitions + '</td><td class="num">' + (done.get(w.id) || 0) + "</td></tr>";
     });
-    $("workers").tBodies[0].innerHTML = rows.length ? rows.join("") : '<tr><td colspan="6" class="empty">no workers attached</td></tr>';
+    $("workers").tBodies[0].innerHTML = rows.length ? rows.join("") : '<tr><td colspan="7" class="empty">no workers attached</td></tr>';
   }
 
   function renderJobs() {
@@ -253,7 +256,9 @@
       }).join("");
       return '<div class="job" data-job="' + T.escapeHtml(job.id) + '"><div class="title"><b class="mono">' + T.escapeHtml(job.id) + "</b> " +
         T.escapeHtml(job.name) + ' <span class="state ' + job.state + '">' + job.state + '</span><span class="muted">' +
-        T.formatDuration(end - job.submitted_us) + " · tenant " + T.escapeHtml(job.tenant) + "</span></div>" +
+        T.formatDuration(end - job.submitted_us) + " · tenant " + T.escapeHtml(job.tenant) +
+        (job.priority ? " · priority " + job.priority : "") + "</span></div>" +
+        (job.waiting ? '<div class="waiting">' + T.escapeHtml(job.waiting) + "</div>" : "") +
         '<table class="stages">' + stages + "</table>" +
         (job.error ? '<div class="error">' + T.escapeHtml(job.error) + "</div>" : "") + "</div>";
     });

@@ -166,6 +166,11 @@ mod tests {
             "waiting for a worker with tags [gpu] (stage `tagged`)"
         );
         assert_eq!(state.status(T).jobs[0].waiting, waiting);
+        assert_eq!(
+            state.jobs_view().jobs[0].waiting,
+            waiting,
+            "on the dashboard too"
+        );
         assert_eq!(job_state_of(&state, &id), JobState::Running);
         add_tagged(&mut state, "late", &["gpu"], None).unwrap();
         let started = assigned(&state.dispatch());

@@ -36,6 +36,8 @@ pub struct WorkerView {
     pub http_address: String,
     pub device: String,
     pub slots: u32,
+    /// Its tags (given and automatic), which stages can require.
+    pub tags: Vec<String>,
     /// Tasks assigned: running, or queued on the worker.
     pub assigned: u32,
     pub pool_bytes: u64,
@@ -102,8 +104,13 @@ pub struct JobView {
     pub id: String,
     pub name: String,
     pub tenant: String,
+    /// Its priority among its tenant's jobs (higher runs first).
+    pub priority: i32,
     pub state: &'static str,
     pub error: String,
+    /// Why ready tasks of the job are not running (no worker with a required tag); empty
+    /// otherwise.
+    pub waiting: String,
     pub submitted_us: u64,
     pub finished_us: Option<u64>,
     pub stages: Vec<StageView>,
@@ -180,6 +187,7 @@ impl State {
                 http_address: w.http_address.clone(),
                 device: w.device.clone(),
                 slots: w.slots,
+                tags: w.tags.clone(),
                 assigned: w.running.len() as u32,
                 pool_bytes: w.pool_bytes,
                 pool_used_bytes: w.pool_used_bytes,
@@ -218,8 +226,10 @@ impl State {
                 id: job.id.clone(),
                 name: job.spec.name.clone(),
                 tenant: job.tenant.clone(),
+                priority: job.priority,
                 state: state_name(job.state),
                 error: job.error.clone(),
+                waiting: job.waiting.clone(),
                 submitted_us: job.submitted_us,
                 finished_us: job.finished_us,
                 stages: job
