@@ -33,6 +33,15 @@ pub struct UcxConfig {
     pub shutdown_timeout: Duration,
     /// Where large payloads are received. `None`: a fresh `Vec` each.
     pub receive_buffers: Option<Arc<dyn ReceiveBuffers>>,
+    /// Payload segments ([`crate::Ucx::send_segments`]) of at least this many bytes are sent
+    /// as their own part, a contiguous buffer that UCX moves with a single copy (rendezvous);
+    /// the smaller segments between them are gathered into one part each. A payload with no
+    /// such segment (or a single segment) is sent whole.
+    pub part_threshold: usize,
+    /// The largest payload sent or received. A larger send fails with
+    /// [`crate::UcxError::MessageTooLarge`]; a larger incoming message is refused before
+    /// anything is allocated for it. Both sides of a pair should use the same setting.
+    pub max_message_bytes: u64,
 }
 
 impl Default for UcxConfig {
@@ -45,6 +54,8 @@ impl Default for UcxConfig {
             spin: Duration::from_micros(50),
             shutdown_timeout: Duration::from_secs(5),
             receive_buffers: None,
+            part_threshold: 256 << 10,
+            max_message_bytes: 4 << 30,
         }
     }
 }
