@@ -5,7 +5,11 @@
 //! A message's UCX header is a kind byte (push or acknowledgement), a request id and, for a
 //! push, the sender's UCX address (for the acknowledgement); its payload is a `u32` header
 //! length, the `PushPieces` header and the pieces' IPC streams (the TCP frame's contents),
-//! handed to UCX as an I/O vector over the tables' own buffers.
+//! handed to UCX as segments over the tables' own buffers: each large Arrow buffer goes as its
+//! own single-copy rendezvous, the IPC headers between them gathered
+//! ([`wrk_ucx::Ucx::send_segments`]). The receiver gets the frame in one of its reusable blocks,
+//! every buffer at the offset (and so the alignment) it had in the IPC stream, and decodes it in
+//! place.
 //! Any UCX failure is returned to the caller, which falls back to TCP for that peer.
 
 use std::collections::HashMap;
@@ -195,7 +199,8 @@ impl Transport for UcxTransport {
             };
             let encoded = encode_off_thread(delivery, peer, "ucx").await?;
             let piece_bytes = encoded.payload_len();
-            // The frame's header, then the tables' own buffers: UCX gathers them, no copy.
+            // The frame's header, then the tables' own buffers: UCX sends them without copying
+            // them together.
             let mut head = Vec::with_capacity(4 + encoded.header.len());
             head.extend_from_slice(&(encoded.header.len() as u32).to_be_bytes());
             head.extend_from_slice(&encoded.header);
@@ -234,5 +239,69 @@ impl Transport for UcxTransport {
             }
             Ok(piece_bytes)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shuffle::pieces::PartitionRef;
+    use crate::shuffle::pieces::tests::{piece_store, values};
+    use crate::table::Table;
+    use arrow::array::{Float64Array, Int64Array};
+    use arrow::record_batch::RecordBatch;
+
+    fn table(rows: i64) -> Table {
+        Table::new(
+            RecordBatch::try_from_iter([
+                ("k", Arc::new(Int64Array::from_iter_values(0..rows)) as _),
+                (
+                    "v",
+                    Arc::new(Float64Array::from_iter_values((0..rows).map(|r| r as f64))) as _,
+                ),
+            ])
+            .unwrap(),
+        )
+    }
+
+    fn part(partition: u32) -> PartitionRef {
+        PartitionRef {
+            job_id: "job-000001".into(),
+            exchange: "by-key".into(),
+            partition,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pieces_with_large_buffers_arrive_intact_and_are_acknowledged() {
+        let metrics = || WorkerMetrics::new(crate::metrics::compile_cache_counter());
+        let (sender_store, _sender_dir) = piece_store(1 << 30);
+        let (store, _dir) = piece_store(1 << 30);
+        let store = Arc::new(store);
+        let sender = UcxTransport::start(Arc::new(sender_store), metrics()).unwrap();
+        let receiver = UcxTransport::start(store.clone(), metrics()).unwrap();
+        let peer = ShufflePeer {
+            worker_id: "reducer-worker".into(),
+            tcp_address: String::new(),
+            ucx_address: receiver.address(),
+        };
+        // 1 M rows: two 8 MiB buffers, each its own rendezvous; 3 rows: a few eager bytes.
+        let delivery = Delivery {
+            job_id: "job-000001".into(),
+            exchange: "by-key".into(),
+            mapper: 0,
+            attempt: 1,
+            pieces: vec![(0, table(1 << 20)), (1, table(3)), (0, table(5))],
+            complete: vec![0, 1],
+        };
+        let sent = sender.deliver(&peer, delivery).await.unwrap();
+        assert!(sent > 16 << 20, "{sent} bytes");
+        assert_eq!(store.stats().pieces, 3);
+        let first = values(&store.pieces(&part(0), 1, None).unwrap());
+        let expected: Vec<i64> = (0..1 << 20).chain(0..5).collect();
+        assert!(first == expected, "partition 0 corrupted");
+        assert_eq!(values(&store.pieces(&part(1), 1, None).unwrap()), [0, 1, 2]);
+        sender.ucx.shutdown().await;
+        receiver.ucx.shutdown().await;
     }
 }
