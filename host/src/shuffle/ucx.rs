@@ -4,7 +4,8 @@
 //!
 //! A message's UCX header is a kind byte (push or acknowledgement), a request id and, for a
 //! push, the sender's UCX address (for the acknowledgement); its payload is a `u32` header
-//! length, the `PushPieces` header and the pieces' IPC streams (the TCP frame's contents),
+//! length, the `PushPieces` header, zeros up to the next multiple of [`PAYLOAD_ALIGN`] bytes and
+//! the pieces' IPC streams (the TCP frame's contents),
 //! handed to UCX as segments over the tables' own buffers: each large Arrow buffer goes as its
 //! own single-copy rendezvous, the IPC headers between them gathered
 //! ([`wrk_ucx::Ucx::send_segments`]). The receiver gets the frame in one of its reusable blocks,
@@ -31,6 +32,10 @@ use super::transport::{Delivery, Transport, TransportError};
 use crate::memory::buffers::{self, PooledVec};
 use crate::metrics::WorkerMetrics;
 
+/// The pieces' IPC streams start at a multiple of this many bytes into a push's payload, so
+/// that in the receiver's block (aligned the same way) their buffers keep the IPC stream's
+/// alignment and decode in place: a misaligned buffer would be copied to realign it.
+const PAYLOAD_ALIGN: usize = 64;
 const PUSH: u8 = 0;
 const ACK: u8 = 1;
 /// How long a delivery waits for its acknowledgement before the peer counts as failed.
@@ -168,6 +173,18 @@ async fn receive(
     }
 }
 
+/// The start of a push's payload: the `PushPieces` header's length and the header, padded to
+/// [`PAYLOAD_ALIGN`].
+fn frame_head(header: &[u8]) -> Vec<u8> {
+    let len = (4 + header.len()).next_multiple_of(PAYLOAD_ALIGN);
+    let mut head = Vec::with_capacity(len);
+    head.extend_from_slice(&(header.len() as u32).to_be_bytes());
+    head.extend_from_slice(header);
+    head.resize(len, 0);
+    head
+}
+
+/// A push's payload as its `PushPieces` header and the pieces' IPC streams.
 fn split_payload(payload: Bytes) -> Result<(PushPieces, Bytes), String> {
     let length = payload
         .get(..4)
@@ -178,7 +195,11 @@ fn split_payload(payload: Bytes) -> Result<(PushPieces, Bytes), String> {
         .ok_or("a UCX shuffle push shorter than its header")?;
     let header = PushPieces::decode(header)
         .map_err(|e| format!("a shuffle frame header is not valid: {e}"))?;
-    Ok((header, payload.slice(4 + length..)))
+    let start = (4 + length).next_multiple_of(PAYLOAD_ALIGN);
+    if start > payload.len() {
+        return Err("a UCX shuffle push shorter than its padded header".into());
+    }
+    Ok((header, payload.slice(start..)))
 }
 
 impl Transport for UcxTransport {
@@ -201,11 +222,8 @@ impl Transport for UcxTransport {
             let piece_bytes = encoded.payload_len();
             // The frame's header, then the tables' own buffers: UCX sends them without copying
             // them together.
-            let mut head = Vec::with_capacity(4 + encoded.header.len());
-            head.extend_from_slice(&(encoded.header.len() as u32).to_be_bytes());
-            head.extend_from_slice(&encoded.header);
             let mut segments = Vec::with_capacity(1 + encoded.payload.len());
-            segments.push(Bytes::from(head));
+            segments.push(Bytes::from(frame_head(&encoded.header)));
             segments.extend(encoded.payload.into_iter().map(Bytes::from_owner));
             let request = self.next_request.fetch_add(1, Ordering::Relaxed);
             let (answer, acknowledged) = oneshot::channel();
@@ -270,6 +288,35 @@ mod tests {
             exchange: "by-key".into(),
             partition,
         }
+    }
+
+    #[test]
+    fn the_pieces_start_aligned_after_any_header_and_short_pushes_are_refused() {
+        for len in [0usize, 1, 59, 60, 61, 123, 124, 125, 1000] {
+            let header = PushPieces {
+                job_id: "j".repeat(len),
+                ..PushPieces::default()
+            };
+            let encoded = header.encode_to_vec();
+            let head = frame_head(&encoded);
+            assert_eq!(
+                head.len() % PAYLOAD_ALIGN,
+                0,
+                "header of {} bytes",
+                encoded.len()
+            );
+            let payload = Bytes::from([head.clone(), b"ipc".to_vec()].concat());
+            let (decoded, pieces) = split_payload(payload).unwrap();
+            assert_eq!(decoded, header);
+            assert_eq!(&pieces[..], b"ipc");
+            // Cut inside the padding or the header: refused, never a panic.
+            let short = Bytes::from(head[..head.len() - 1].to_vec());
+            assert!(split_payload(short).is_err());
+            let short = Bytes::from(head[..4 + encoded.len() / 2].to_vec());
+            assert!(split_payload(short).is_err());
+        }
+        assert!(split_payload(Bytes::from_static(b"\0\0")).is_err());
+        assert!(split_payload(Bytes::from_static(b"\xff\xff\xff\xff")).is_err());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
