@@ -18,6 +18,13 @@ fn config() -> UcxConfig {
     }
 }
 
+fn over(transports: Option<&str>) -> UcxConfig {
+    UcxConfig {
+        transports: transports.map(str::to_string),
+        ..config()
+    }
+}
+
 async fn recv(incoming: &mut Incoming) -> Message {
     tokio::time::timeout(Duration::from_secs(60), incoming.recv())
         .await
@@ -108,16 +115,25 @@ fn in_parts(shape: &[usize]) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parts_of_eager_and_rendezvous_sizes_arrive_intact_and_aligned() {
+    parts_arrive(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parts_arrive_intact_and_aligned_over_tcp() {
+    parts_arrive(Some("tcp")).await;
+}
+
+async fn parts_arrive(transports: Option<&str>) {
     let buffers = Arc::new(Aligned::default());
     let small_parts = UcxConfig {
         part_threshold: 4 << 10,
-        ..config()
+        ..over(transports)
     };
     let (a, _a_in) = Ucx::start(small_parts.clone()).unwrap();
     let (c, _c_in) = Ucx::start(small_parts).unwrap();
     let (b, mut b_in) = Ucx::start(UcxConfig {
         receive_buffers: Some(buffers.clone()),
-        ..config()
+        ..over(transports)
     })
     .unwrap();
     // Two senders, each with every message in flight at once: parts of different messages
