@@ -5,12 +5,10 @@
 //! A message's UCX header is a kind byte (push or acknowledgement), a request id and, for a
 //! push, the sender's UCX address (for the acknowledgement); its payload is a `u32` header
 //! length, the `PushPieces` header, zeros up to the next multiple of [`PAYLOAD_ALIGN`] bytes and
-//! the pieces' IPC streams (the TCP frame's contents),
-//! handed to UCX as segments over the tables' own buffers: each large Arrow buffer goes as its
-//! own single-copy rendezvous, the IPC headers between them gathered
-//! ([`wrk_ucx::Ucx::send_segments`]). The receiver gets the frame in one of its reusable blocks,
-//! every buffer at the offset (and so the alignment) it had in the IPC stream, and decodes it in
-//! place.
+//! the pieces' IPC streams (the TCP frame's contents), handed to UCX as an I/O vector over the
+//! tables' own buffers ([`wrk_ucx::Ucx::send_segments`]). The receiver gets the frame in one of
+//! its reusable blocks, every buffer at the offset (and so the alignment) it had in the IPC
+//! stream, and decodes it in place.
 //! Any UCX failure is returned to the caller, which falls back to TCP for that peer.
 
 use std::collections::HashMap;
@@ -220,8 +218,7 @@ impl Transport for UcxTransport {
             };
             let encoded = encode_off_thread(delivery, peer, "ucx").await?;
             let piece_bytes = encoded.payload_len();
-            // The frame's header, then the tables' own buffers: UCX sends them without copying
-            // them together.
+            // The frame's header, then the tables' own buffers: UCX gathers them, no copy.
             let mut segments = Vec::with_capacity(1 + encoded.payload.len());
             segments.push(Bytes::from(frame_head(&encoded.header)));
             segments.extend(encoded.payload.into_iter().map(Bytes::from_owner));
@@ -332,7 +329,7 @@ mod tests {
             tcp_address: String::new(),
             ucx_address: receiver.address(),
         };
-        // 1 M rows: two 8 MiB buffers, each its own rendezvous; 3 rows: a few eager bytes.
+        // 1 M rows: two 8 MiB buffers (rendezvous); 3 and 5 rows: a few bytes each.
         let delivery = Delivery {
             job_id: "job-000001".into(),
             exchange: "by-key".into(),

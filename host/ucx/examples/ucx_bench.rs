@@ -12,7 +12,7 @@
 //!
 //! `--segments N` sends each message as N large segments, each behind a 64-byte one (the shape
 //! of an Arrow IPC stream), with `Ucx::send_segments`; `--part-threshold BYTES` sets
-//! `UcxConfig::part_threshold` (a huge value sends every message whole, as one I/O vector).
+//! `UcxConfig::part_threshold` (without it a message goes whole, its segments as one I/O vector).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, ExitCode, Stdio};
@@ -71,11 +71,10 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn config(args: &Args) -> UcxConfig {
-    let defaults = UcxConfig::default();
     UcxConfig {
         transports: args.tls.clone(),
-        part_threshold: args.part_threshold.unwrap_or(defaults.part_threshold),
-        ..defaults
+        part_threshold: args.part_threshold,
+        ..UcxConfig::default()
     }
 }
 

@@ -2,9 +2,10 @@
 //!
 //! UCX 1.13 moves a payload given as an I/O vector through its copy pipeline, but a contiguous
 //! buffer above the rendezvous threshold with a single copy (CMA on one host, zero-copy RDMA
-//! between hosts). So a message whose payload has large segments (Arrow buffers) is sent as
-//! several active messages (id [`PART_AM_ID`]), one per part: each large segment alone, as a
-//! contiguous buffer, and the small segments between them gathered into one part each.
+//! between hosts). With [`crate::UcxConfig::part_threshold`] set, a message whose payload has
+//! large segments (Arrow buffers) is sent as several active messages (id [`PART_AM_ID`]), one
+//! per part: each large segment alone, as a contiguous buffer, and the small segments between
+//! them gathered into one part each.
 //!
 //! Every part carries a [`PartHeader`] (40 bytes, little endian: the sending stream's id, the
 //! message's sequence number, the part's index and the message's part count as u32, the part's

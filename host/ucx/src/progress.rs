@@ -15,10 +15,11 @@
 //! copy). Messages of a stream are delivered in sequence order, whatever order their payloads
 //! complete in, so messages from one sender are never reordered.
 //!
-//! A payload with large segments goes in parts instead ([`crate::parts`], active-message id
-//! [`PART_AM_ID`]): each large segment as its own contiguous rendezvous (UCX moves it with a
-//! single copy, where it would pass an I/O vector through its copy pipeline), put together at
-//! the receiver in one buffer ([`Assembly`]). The caller's send completes when every part has.
+//! With [`UcxConfig::part_threshold`] set, a payload with large segments goes in parts instead
+//! ([`crate::parts`], active-message id [`PART_AM_ID`]): each large segment as its own
+//! contiguous rendezvous (UCX moves it with a single copy, where it would pass an I/O vector
+//! through its copy pipeline), put together at the receiver in one buffer ([`Assembly`]). The
+//! caller's send completes when every part has.
 //!
 //! UCX's callbacks run on this thread inside UCX calls; they only record what happened in a
 //! thread-local [`Events`] list that the loop takes and handles after each call.
@@ -715,7 +716,10 @@ impl Progress {
             }
         };
         // The active messages to send: `(id, wire header, segments)`.
-        let split = parts::plan(&payload, self.config.part_threshold);
+        let split = match self.config.part_threshold {
+            Some(threshold) => parts::plan(&payload, threshold),
+            None => Vec::new(),
+        };
         let messages: Vec<(u32, Vec<u8>, Range<usize>)> = match u32::try_from(split.len())
             .ok()
             .filter(|&n| (2..=MAX_PARTS).contains(&n))

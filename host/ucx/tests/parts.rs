@@ -126,7 +126,7 @@ async fn parts_arrive_intact_and_aligned_over_tcp() {
 async fn parts_arrive(transports: Option<&str>) {
     let buffers = Arc::new(Aligned::default());
     let small_parts = UcxConfig {
-        part_threshold: 4 << 10,
+        part_threshold: Some(4 << 10),
         ..over(transports)
     };
     let (a, _a_in) = Ucx::start(small_parts.clone()).unwrap();
@@ -190,11 +190,15 @@ async fn parts_arrive(transports: Option<&str>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_over_the_limit_are_refused() {
     let buffers = Arc::new(Aligned::default());
-    let (a, _a_in) = Ucx::start(config()).unwrap();
+    let in_parts = UcxConfig {
+        part_threshold: Some(4 << 10),
+        ..config()
+    };
+    let (a, _a_in) = Ucx::start(in_parts.clone()).unwrap();
     let (b, mut b_in) = Ucx::start(UcxConfig {
         receive_buffers: Some(buffers.clone()),
         max_message_bytes: 3 << 20,
-        ..config()
+        ..in_parts
     })
     .unwrap();
     // The sender's own limit refuses at once.
