@@ -225,13 +225,13 @@ fn ucx_perftest(size: usize, count: usize) -> Option<f64> {
     Some(mib_per_s * 1_048_576.0 / 1e9)
 }
 
-async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
-    let piece_bytes = piece_mib << 20;
-    let count = ((gib * (1u64 << 30) as f64) / piece_bytes as f64).ceil() as usize;
-    let table = piece(piece_bytes);
-    println!(
-        "shuffle bench: {count} pieces of {piece_mib} MiB ({gib} GiB), {IN_FLIGHT} in flight, between two processes on 127.0.0.1, best of {ROUNDS}"
-    );
+/// The TCP paths: raw loopback TCP and the shuffle over TCP, alternated, best of each.
+async fn tcp_and_raw(
+    table: &Table,
+    count: usize,
+    piece_bytes: usize,
+    piece_mib: usize,
+) -> Result<()> {
     let (mut raw_child, raw_address) = spawn_receiver("raw")?;
     let (mut tcp_child, tcp_address) = spawn_receiver("tcp")?;
     let peer = ShufflePeer {
@@ -260,6 +260,19 @@ async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
     drop(tcp_child.stdin.take());
     raw_child.wait()?;
     tcp_child.wait()?;
+    Ok(())
+}
+
+async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
+    let piece_bytes = piece_mib << 20;
+    let count = ((gib * (1u64 << 30) as f64) / piece_bytes as f64).ceil() as usize;
+    let table = piece(piece_bytes);
+    println!(
+        "shuffle bench: {count} pieces of {piece_mib} MiB ({gib} GiB), {IN_FLIGHT} in flight, between two processes on 127.0.0.1, best of {ROUNDS}"
+    );
+    if only != "ucx" {
+        tcp_and_raw(&table, count, piece_bytes, piece_mib).await?;
+    }
     #[cfg(feature = "ucx")]
     if only != "tcp" {
         let (mut ucx_child, address) = spawn_receiver("ucx")?;
@@ -267,8 +280,9 @@ async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
         let store = piece_store(1 << 30, spill.path())?;
         let sender = wrk_host::shuffle::ucx::UcxTransport::start(store, metrics())?;
         let peer = ShufflePeer {
+            worker_id: "receiver".into(),
+            tcp_address: String::new(),
             ucx_address: hex::decode(address)?,
-            ..peer
         };
         let sender: Arc<dyn Transport> = Arc::new(sender);
         let (mut ucx_rate, mut perftest) = (0f64, None::<f64>);

@@ -4,8 +4,11 @@
 //!
 //! A message's UCX header is a kind byte (push or acknowledgement), a request id and, for a
 //! push, the sender's UCX address (for the acknowledgement); its payload is a `u32` header
-//! length, the `PushPieces` header and the pieces' IPC streams (the TCP frame's contents),
-//! handed to UCX as an I/O vector over the tables' own buffers.
+//! length, the `PushPieces` header, zeros up to the next multiple of [`PAYLOAD_ALIGN`] bytes and
+//! the pieces' IPC streams (the TCP frame's contents), handed to UCX as an I/O vector over the
+//! tables' own buffers ([`wrk_ucx::Ucx::send_segments`]). The receiver gets the frame in one of
+//! its reusable blocks, every buffer at the offset (and so the alignment) it had in the IPC
+//! stream, and decodes it in place.
 //! Any UCX failure is returned to the caller, which falls back to TCP for that peer.
 
 use std::collections::HashMap;
@@ -27,6 +30,10 @@ use super::transport::{Delivery, Transport, TransportError};
 use crate::memory::buffers::{self, PooledVec};
 use crate::metrics::WorkerMetrics;
 
+/// The pieces' IPC streams start at a multiple of this many bytes into a push's payload, so
+/// that in the receiver's block (aligned the same way) their buffers keep the IPC stream's
+/// alignment and decode in place: a misaligned buffer would be copied to realign it.
+const PAYLOAD_ALIGN: usize = 64;
 const PUSH: u8 = 0;
 const ACK: u8 = 1;
 /// How long a delivery waits for its acknowledgement before the peer counts as failed.
@@ -164,6 +171,18 @@ async fn receive(
     }
 }
 
+/// The start of a push's payload: the `PushPieces` header's length and the header, padded to
+/// [`PAYLOAD_ALIGN`].
+fn frame_head(header: &[u8]) -> Vec<u8> {
+    let len = (4 + header.len()).next_multiple_of(PAYLOAD_ALIGN);
+    let mut head = Vec::with_capacity(len);
+    head.extend_from_slice(&(header.len() as u32).to_be_bytes());
+    head.extend_from_slice(header);
+    head.resize(len, 0);
+    head
+}
+
+/// A push's payload as its `PushPieces` header and the pieces' IPC streams.
 fn split_payload(payload: Bytes) -> Result<(PushPieces, Bytes), String> {
     let length = payload
         .get(..4)
@@ -174,7 +193,11 @@ fn split_payload(payload: Bytes) -> Result<(PushPieces, Bytes), String> {
         .ok_or("a UCX shuffle push shorter than its header")?;
     let header = PushPieces::decode(header)
         .map_err(|e| format!("a shuffle frame header is not valid: {e}"))?;
-    Ok((header, payload.slice(4 + length..)))
+    let start = (4 + length).next_multiple_of(PAYLOAD_ALIGN);
+    if start > payload.len() {
+        return Err("a UCX shuffle push shorter than its padded header".into());
+    }
+    Ok((header, payload.slice(start..)))
 }
 
 impl Transport for UcxTransport {
@@ -196,11 +219,8 @@ impl Transport for UcxTransport {
             let encoded = encode_off_thread(delivery, peer, "ucx").await?;
             let piece_bytes = encoded.payload_len();
             // The frame's header, then the tables' own buffers: UCX gathers them, no copy.
-            let mut head = Vec::with_capacity(4 + encoded.header.len());
-            head.extend_from_slice(&(encoded.header.len() as u32).to_be_bytes());
-            head.extend_from_slice(&encoded.header);
             let mut segments = Vec::with_capacity(1 + encoded.payload.len());
-            segments.push(Bytes::from(head));
+            segments.push(Bytes::from(frame_head(&encoded.header)));
             segments.extend(encoded.payload.into_iter().map(Bytes::from_owner));
             let request = self.next_request.fetch_add(1, Ordering::Relaxed);
             let (answer, acknowledged) = oneshot::channel();
@@ -234,5 +254,98 @@ impl Transport for UcxTransport {
             }
             Ok(piece_bytes)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shuffle::pieces::PartitionRef;
+    use crate::shuffle::pieces::tests::{piece_store, values};
+    use crate::table::Table;
+    use arrow::array::{Float64Array, Int64Array};
+    use arrow::record_batch::RecordBatch;
+
+    fn table(rows: i64) -> Table {
+        Table::new(
+            RecordBatch::try_from_iter([
+                ("k", Arc::new(Int64Array::from_iter_values(0..rows)) as _),
+                (
+                    "v",
+                    Arc::new(Float64Array::from_iter_values((0..rows).map(|r| r as f64))) as _,
+                ),
+            ])
+            .unwrap(),
+        )
+    }
+
+    fn part(partition: u32) -> PartitionRef {
+        PartitionRef {
+            job_id: "job-000001".into(),
+            exchange: "by-key".into(),
+            partition,
+        }
+    }
+
+    #[test]
+    fn the_pieces_start_aligned_after_any_header_and_short_pushes_are_refused() {
+        for len in [0usize, 1, 59, 60, 61, 123, 124, 125, 1000] {
+            let header = PushPieces {
+                job_id: "j".repeat(len),
+                ..PushPieces::default()
+            };
+            let encoded = header.encode_to_vec();
+            let head = frame_head(&encoded);
+            assert_eq!(
+                head.len() % PAYLOAD_ALIGN,
+                0,
+                "header of {} bytes",
+                encoded.len()
+            );
+            let payload = Bytes::from([head.clone(), b"ipc".to_vec()].concat());
+            let (decoded, pieces) = split_payload(payload).unwrap();
+            assert_eq!(decoded, header);
+            assert_eq!(&pieces[..], b"ipc");
+            // Cut inside the padding or the header: refused, never a panic.
+            let short = Bytes::from(head[..head.len() - 1].to_vec());
+            assert!(split_payload(short).is_err());
+            let short = Bytes::from(head[..4 + encoded.len() / 2].to_vec());
+            assert!(split_payload(short).is_err());
+        }
+        assert!(split_payload(Bytes::from_static(b"\0\0")).is_err());
+        assert!(split_payload(Bytes::from_static(b"\xff\xff\xff\xff")).is_err());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pieces_with_large_buffers_arrive_intact_and_are_acknowledged() {
+        let metrics = || WorkerMetrics::new(crate::metrics::compile_cache_counter());
+        let (sender_store, _sender_dir) = piece_store(1 << 30);
+        let (store, _dir) = piece_store(1 << 30);
+        let store = Arc::new(store);
+        let sender = UcxTransport::start(Arc::new(sender_store), metrics()).unwrap();
+        let receiver = UcxTransport::start(store.clone(), metrics()).unwrap();
+        let peer = ShufflePeer {
+            worker_id: "reducer-worker".into(),
+            tcp_address: String::new(),
+            ucx_address: receiver.address(),
+        };
+        // 1 M rows: two 8 MiB buffers (rendezvous); 3 and 5 rows: a few bytes each.
+        let delivery = Delivery {
+            job_id: "job-000001".into(),
+            exchange: "by-key".into(),
+            mapper: 0,
+            attempt: 1,
+            pieces: vec![(0, table(1 << 20)), (1, table(3)), (0, table(5))],
+            complete: vec![0, 1],
+        };
+        let sent = sender.deliver(&peer, delivery).await.unwrap();
+        assert!(sent > 16 << 20, "{sent} bytes");
+        assert_eq!(store.stats().pieces, 3);
+        let first = values(&store.pieces(&part(0), 1, None).unwrap());
+        let expected: Vec<i64> = (0..1 << 20).chain(0..5).collect();
+        assert!(first == expected, "partition 0 corrupted");
+        assert_eq!(values(&store.pieces(&part(1), 1, None).unwrap()), [0, 1, 2]);
+        sender.ucx.shutdown().await;
+        receiver.ucx.shutdown().await;
     }
 }

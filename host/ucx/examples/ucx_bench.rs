@@ -9,6 +9,10 @@
 //!
 //! Transport selection comes from `UCX_TLS` in the environment (both processes inherit it), or
 //! `--tls`. A run is timed from the first send to the child's report that every byte arrived.
+//!
+//! `--segments N` sends each message as N large segments, each behind a 64-byte one (the shape
+//! of an Arrow IPC stream), with `Ucx::send_segments`; `--part-threshold BYTES` sets
+//! `UcxConfig::part_threshold` (without it a message goes whole, its segments as one I/O vector).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, ExitCode, Stdio};
@@ -27,6 +31,8 @@ struct Args {
     window: usize,
     runs: usize,
     tls: Option<String>,
+    segments: usize,
+    part_threshold: Option<usize>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -36,6 +42,8 @@ fn parse_args() -> Result<Args, String> {
         window: 8,
         runs: 5,
         tls: None,
+        segments: 1,
+        part_threshold: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -51,11 +59,13 @@ fn parse_args() -> Result<Args, String> {
             "--window" => args.window = number()? as usize,
             "--runs" => args.runs = number()? as usize,
             "--tls" => args.tls = Some(value.clone()),
+            "--segments" => args.segments = number()? as usize,
+            "--part-threshold" => args.part_threshold = Some(number()? as usize),
             _ => return Err(format!("unknown argument {flag}")),
         }
     }
-    if args.chunk == 0 || args.window == 0 || args.runs == 0 {
-        return Err("--chunk, --window and --runs must be positive".into());
+    if args.chunk == 0 || args.window == 0 || args.runs == 0 || args.segments == 0 {
+        return Err("--chunk, --window, --runs and --segments must be positive".into());
     }
     Ok(args)
 }
@@ -63,8 +73,27 @@ fn parse_args() -> Result<Args, String> {
 fn config(args: &Args) -> UcxConfig {
     UcxConfig {
         transports: args.tls.clone(),
+        part_threshold: args.part_threshold,
         ..UcxConfig::default()
     }
+}
+
+/// `payload` as `segments` large segments, each behind a 64-byte one (fewer when it is short).
+fn split(payload: Bytes, segments: usize) -> Vec<Bytes> {
+    if segments == 1 {
+        return vec![payload];
+    }
+    let step = payload.len().div_ceil(segments).max(1);
+    let mut out = Vec::with_capacity(2 * segments);
+    let mut at = 0;
+    while at < payload.len() {
+        let end = (at + step).min(payload.len());
+        let small = (at + 64).min(end);
+        out.push(payload.slice(at..small));
+        out.push(payload.slice(small..end));
+        at = end;
+    }
+    out
 }
 
 /// Child: prints its address, then for each run prints `DONE <bytes>` once that many arrived.
@@ -126,7 +155,11 @@ async fn sender(args: Args) -> Result<(), String> {
             .map(|i| {
                 let left = args.bytes - i * args.chunk as u64;
                 let payload = chunk.slice(..(args.chunk as u64).min(left) as usize);
-                ucx.send(&peer, i.to_le_bytes().to_vec(), payload)
+                ucx.send_segments(
+                    &peer,
+                    i.to_le_bytes().to_vec(),
+                    split(payload, args.segments),
+                )
             })
             .buffered(args.window);
         while let Some(result) = sends.next().await {
@@ -150,11 +183,12 @@ async fn sender(args: Args) -> Result<(), String> {
     }
     rates.sort_by(f64::total_cmp);
     println!(
-        "median {:.2} GB/s over {} runs ({} B in {} B messages, window {}, UCX_TLS={})",
+        "median {:.2} GB/s over {} runs ({} B in {} B messages of {} segments, window {}, UCX_TLS={})",
         rates[rates.len() / 2],
         args.runs,
         args.bytes,
         args.chunk,
+        args.segments,
         args.window,
         args.tls
             .clone()

@@ -33,6 +33,19 @@ pub struct UcxConfig {
     pub shutdown_timeout: Duration,
     /// Where large payloads are received. `None`: a fresh `Vec` each.
     pub receive_buffers: Option<Arc<dyn ReceiveBuffers>>,
+    /// When set, payload segments ([`crate::Ucx::send_segments`]) of at least this many bytes
+    /// are sent as parts of their own, contiguous buffers that UCX moves with a single copy
+    /// (rendezvous: CMA on one host, zero-copy RDMA between hosts); the smaller segments between
+    /// them are gathered into one part each. `None` (the default): a payload goes whole, its
+    /// segments as one I/O vector, which UCX 1.13 moves through its copy pipeline. On one
+    /// 2-core host the pipeline is faster (the sender and the receiver each make one of its
+    /// two copies, where the single copy falls on the receiver alone: see
+    /// `docs/benchmarks.md`); the parts are for links where the pipeline is the slower path.
+    pub part_threshold: Option<usize>,
+    /// The largest payload sent or received. A larger send fails with
+    /// [`crate::UcxError::MessageTooLarge`]; a larger incoming message is refused before
+    /// anything is allocated for it. Both sides of a pair should use the same setting.
+    pub max_message_bytes: u64,
 }
 
 impl Default for UcxConfig {
@@ -45,6 +58,8 @@ impl Default for UcxConfig {
             spin: Duration::from_micros(50),
             shutdown_timeout: Duration::from_secs(5),
             receive_buffers: None,
+            part_threshold: None,
+            max_message_bytes: 4 << 30,
         }
     }
 }

@@ -93,6 +93,14 @@ pub enum UcxError {
         /// The most the worker accepts.
         max: usize,
     },
+    /// The payload is larger than [`crate::UcxConfig::max_message_bytes`].
+    #[error("message payload of {len} bytes exceeds the limit of {max} bytes")]
+    MessageTooLarge {
+        /// Payload length asked for.
+        len: u64,
+        /// The configured limit.
+        max: u64,
+    },
     /// The UCX layer has shut down (or its thread stopped); nothing more can be sent.
     #[error("the UCX layer is shut down")]
     Closed,

@@ -9,7 +9,11 @@
 //!
 //! A message is a small header and a payload of any size ([`Message`]), sent as a UCX active
 //! message: eager for small payloads, rendezvous (zero-copy into the received `Bytes`) for large
-//! ones. Messages from one sender arrive in the order they were sent. Failures come back as
+//! ones. A payload given as segments goes as one I/O vector, or (with
+//! [`UcxConfig::part_threshold`]) in parts, each large segment as its own rendezvous (UCX moves
+//! a contiguous buffer with a single copy, an I/O vector through its copy pipeline); either way
+//! it arrives as one contiguous payload.
+//! Messages from one sender arrive in the order they were sent. Failures come back as
 //! [`UcxError`] values so that callers can fall back to TCP.
 //!
 //! ```no_run
@@ -24,8 +28,10 @@
 //! ```
 
 mod address;
+mod assembly;
 mod config;
 mod error;
+mod parts;
 mod progress;
 mod receive;
 
@@ -158,8 +164,10 @@ impl Ucx {
     }
 
     /// Sends one message whose payload is `segments` back to back, without copying them
-    /// together (UCX reads them as an I/O vector); the peer receives one contiguous payload.
-    /// Otherwise as [`Ucx::send`].
+    /// together; the peer receives one contiguous payload, each segment at its offset. By
+    /// default UCX reads the segments as one I/O vector; with [`UcxConfig::part_threshold`] set,
+    /// segments of at least that many bytes go as parts of their own (single-copy rendezvous),
+    /// the runs of smaller ones between them as I/O vectors. Otherwise as [`Ucx::send`].
     pub async fn send_segments(
         &self,
         peer: &[u8],

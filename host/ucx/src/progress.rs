@@ -15,6 +15,12 @@
 //! copy). Messages of a stream are delivered in sequence order, whatever order their payloads
 //! complete in, so messages from one sender are never reordered.
 //!
+//! With [`UcxConfig::part_threshold`] set, a payload with large segments goes in parts instead
+//! ([`crate::parts`], active-message id [`PART_AM_ID`]): each large segment as its own
+//! contiguous rendezvous (UCX moves it with a single copy, where it would pass an I/O vector
+//! through its copy pipeline), put together at the receiver in one buffer ([`Assembly`]). The
+//! caller's send completes when every part has.
+//!
 //! UCX's callbacks run on this thread inside UCX calls; they only record what happened in a
 //! thread-local [`Events`] list that the loop takes and handles after each call.
 
@@ -22,6 +28,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CString, c_int, c_void};
 use std::hash::{BuildHasher, RandomState};
+use std::ops::Range;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr;
 use std::sync::Arc;
@@ -34,8 +41,10 @@ use tracing::{debug, trace, warn};
 use wrk_ucx_sys as sys;
 
 use crate::address;
+use crate::assembly::Assembly;
 use crate::config::UcxConfig;
 use crate::error::{Status, UcxError};
+use crate::parts::{self, MAX_PARTS, PART_AM_ID, PART_PREFIX, PartHeader};
 use crate::receive::ReceiveBuffer;
 use crate::{Message, SendResult};
 
@@ -84,6 +93,8 @@ fn take_events() -> Events {
 struct Arrival {
     stream: u64,
     seq: u64,
+    /// Where the payload belongs, for a part of a message.
+    part: Option<PartHeader>,
     header: Vec<u8>,
     body: ArrivalBody,
 }
@@ -99,8 +110,45 @@ fn user_data(token: u64) -> *mut c_void {
     ptr::without_provenance_mut(token as usize)
 }
 
+/// The `arg` of the part handler, telling [`on_am`] which kind of wire header to expect.
+const PART_HANDLER: usize = 1;
+
+/// A parsed wire header.
+struct Wire<'a> {
+    stream: u64,
+    seq: u64,
+    /// Where the payload belongs, for a part of a message.
+    part: Option<PartHeader>,
+    /// The caller's header.
+    user: &'a [u8],
+}
+
+/// Parses the wire header of a whole message, or of a part when `part`.
+fn parse_wire(wire: &[u8], part: bool) -> Result<Wire<'_>, String> {
+    if part {
+        let (part, user) = PartHeader::decode(wire).map_err(|e| e.to_string())?;
+        return Ok(Wire {
+            stream: part.stream,
+            seq: part.seq,
+            part: Some(part),
+            user,
+        });
+    }
+    let (prefix, user) = wire.split_first_chunk::<WIRE_PREFIX>().ok_or(format!(
+        "a header of {} bytes, without the {WIRE_PREFIX}-byte wrk prefix",
+        wire.len()
+    ))?;
+    let (stream, seq) = prefix.split_at(8);
+    Ok(Wire {
+        stream: u64::from_le_bytes(stream.try_into().unwrap_or_default()),
+        seq: u64::from_le_bytes(seq.try_into().unwrap_or_default()),
+        part: None,
+        user,
+    })
+}
+
 unsafe extern "C" fn on_am(
-    _arg: *mut c_void,
+    arg: *mut c_void,
     header: *const c_void,
     header_length: usize,
     data: *mut c_void,
@@ -116,21 +164,23 @@ unsafe extern "C" fn on_am(
         // SAFETY: UCX passes a header of `header_length` bytes, valid during the callback.
         unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length) }
     };
-    let Some((prefix, user_header)) = wire.split_first_chunk::<WIRE_PREFIX>() else {
-        warn!(
-            header_length,
-            "UCX active message without the wrk header prefix: dropped"
-        );
-        // Refusing a rendezvous makes the sender's send complete with this error.
-        return if rendezvous {
-            sys::UCS_ERR_INVALID_PARAM
-        } else {
-            sys::UCS_OK
-        };
+    let Wire {
+        stream,
+        seq,
+        part,
+        user,
+    } = match parse_wire(wire, arg.addr() == PART_HANDLER) {
+        Ok(parsed) => parsed,
+        Err(reason) => {
+            warn!(header_length, "UCX active message refused: {reason}");
+            // Refusing a rendezvous makes the sender's send complete with this error.
+            return if rendezvous {
+                sys::UCS_ERR_INVALID_PARAM
+            } else {
+                sys::UCS_OK
+            };
+        }
     };
-    let (stream, seq) = prefix.split_at(8);
-    let stream = u64::from_le_bytes(stream.try_into().unwrap_or_default());
-    let seq = u64::from_le_bytes(seq.try_into().unwrap_or_default());
     let body = if rendezvous {
         ArrivalBody::Rendezvous {
             desc: data,
@@ -149,7 +199,8 @@ unsafe extern "C" fn on_am(
         events.arrivals.push(Arrival {
             stream,
             seq,
-            header: user_header.to_vec(),
+            part,
+            header: user.to_vec(),
             body,
         })
     });
@@ -187,6 +238,83 @@ unsafe extern "C" fn on_endpoint_error(
 ) {
     let stream = arg.addr() as u64;
     EVENTS.with_borrow_mut(|events| events.failed_endpoints.push((stream, status)));
+}
+
+/// Starts one active message `am_id` of `wire` header and `segments` payload (passed as the
+/// I/O vector `iov` when there are several) whose completion reports `user_data`. Returns UCX's
+/// request: null when it completed at once, or an error status.
+///
+/// # Safety
+///
+/// `ep` is an endpoint of the calling thread's worker; `wire`, the segments' bytes and `iov`'s
+/// heap buffer stay alive and unchanged until the request completes.
+unsafe fn post_send(
+    ep: sys::ucp_ep_h,
+    am_id: u32,
+    wire: &[u8],
+    segments: &[Bytes],
+    iov: &mut Vec<sys::ucp_dt_iov_t>,
+    user_data: *mut c_void,
+) -> *mut c_void {
+    let mut param = sys::ucp_request_param_t {
+        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+        user_data,
+        ..Default::default()
+    };
+    param.cb.send = Some(on_send_done);
+    // One segment goes as it is; several as an I/O vector, so none is copied together.
+    if segments.len() > 1 {
+        param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
+        param.datatype = sys::ucp_datatype_t::from(sys::UCP_DATATYPE_IOV);
+        iov.extend(segments.iter().map(|segment| sys::ucp_dt_iov_t {
+            buffer: segment.as_ptr().cast_mut().cast::<c_void>(),
+            length: segment.len(),
+        }));
+    }
+    let (buffer, count) = match segments.first() {
+        _ if !iov.is_empty() => (iov.as_ptr().cast::<c_void>(), iov.len()),
+        Some(segment) => (segment.as_ptr().cast::<c_void>(), segment.len()),
+        None => (ptr::null(), 0),
+    };
+    // SAFETY: passed on from the caller; UCX only reads through the vector's (const-cast)
+    // pointers.
+    unsafe {
+        sys::ucp_am_send_nbx(
+            ep,
+            am_id,
+            wire.as_ptr().cast::<c_void>(),
+            wire.len(),
+            buffer,
+            count,
+            &param,
+        )
+    }
+}
+
+/// Starts receiving the rendezvous payload of `desc` (`len` bytes) into `target`; the
+/// completion reports `user_data`. Returns UCX's request: null when it completed at once, or an
+/// error status.
+///
+/// # Safety
+///
+/// `worker` is the calling thread's worker and `desc` a rendezvous descriptor from its AM
+/// callback, not used before; `target` points to `len` writable bytes that nothing else uses
+/// and that stay put until the request completes.
+unsafe fn receive_into(
+    worker: sys::ucp_worker_h,
+    desc: *mut c_void,
+    target: *mut u8,
+    len: usize,
+    user_data: *mut c_void,
+) -> *mut c_void {
+    let mut param = sys::ucp_request_param_t {
+        op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
+        user_data,
+        ..Default::default()
+    };
+    param.cb.recv_am = Some(on_recv_done);
+    // SAFETY: passed on from the caller.
+    unsafe { sys::ucp_am_recv_data_nbx(worker, desc, target.cast::<c_void>(), len, &param) }
 }
 
 /// Owns a UCP context; `ucp_cleanup` on drop.
@@ -241,22 +369,39 @@ struct Endpoint {
 
 /// Buffers that UCX reads from until the send completes.
 struct SendBuffers {
-    _header: Vec<u8>,
+    /// The wire header of each active message (one, or one per part).
+    _headers: Vec<Vec<u8>>,
     _payload: Vec<Bytes>,
-    /// The I/O vector over the payload's segments, when it has several.
-    _iov: Vec<sys::ucp_dt_iov_t>,
+    /// The I/O vector of each active message whose payload has several segments.
+    _iovs: Vec<Vec<sys::ucp_dt_iov_t>>,
+}
+
+/// One caller's send: one active message, or one per part, all to one endpoint.
+struct SendGroup {
+    /// The endpoint's stream id, which (unlike its handle) is never reused.
+    stream: u64,
+    peer: String,
+    /// Taken when the caller has been answered (on completion, failure or timeout).
+    reply: Option<oneshot::Sender<SendResult>>,
+    deadline: Option<Instant>,
+    /// Requests of the send UCX has not completed yet.
+    outstanding: usize,
+    _buffers: SendBuffers,
 }
 
 enum Pending {
     Send {
         request: *mut c_void,
-        /// The endpoint's stream id, which (unlike its handle) is never reused.
+        /// The [`SendGroup`] it belongs to.
+        group: u64,
+    },
+    /// A rendezvous part of a message received into its [`Assembly`].
+    ReceivePart {
+        request: *mut c_void,
         stream: u64,
-        peer: String,
-        /// Taken when the caller has been answered (on completion or timeout).
-        reply: Option<oneshot::Sender<SendResult>>,
-        deadline: Option<Instant>,
-        _buffers: SendBuffers,
+        seq: u64,
+        /// Bytes the part must fill.
+        len: usize,
     },
     Receive {
         request: *mut c_void,
@@ -277,6 +422,7 @@ impl Pending {
     fn request(&self) -> *mut c_void {
         match self {
             Pending::Send { request, .. }
+            | Pending::ReceivePart { request, .. }
             | Pending::Receive { request, .. }
             | Pending::Close { request, .. } => *request,
         }
@@ -285,6 +431,8 @@ impl Pending {
 
 enum Slot {
     Receiving,
+    /// A message sent in parts, not all in yet.
+    Assembling(Box<Assembly>),
     Ready(Message),
     Lost,
 }
@@ -309,6 +457,8 @@ pub(crate) struct Progress {
     max_header: usize,
     endpoints: HashMap<Vec<u8>, Endpoint>,
     pending: HashMap<u64, Pending>,
+    /// Sends not completed yet, by group id (a token).
+    sends: HashMap<u64, SendGroup>,
     streams: HashMap<u64, InStream>,
     next_token: u64,
     random: RandomState,
@@ -349,10 +499,18 @@ impl Progress {
             cb: Some(on_am),
             arg: ptr::null_mut(),
         };
-        // SAFETY: the worker is live; the handler is a plain function that does not use `arg`.
-        check("ucp_worker_set_am_recv_handler", unsafe {
-            sys::ucp_worker_set_am_recv_handler(worker.0, &handler)
-        })?;
+        let part_handler = sys::ucp_am_handler_param_t {
+            id: PART_AM_ID,
+            arg: ptr::without_provenance_mut(PART_HANDLER),
+            ..handler
+        };
+        for handler in [handler, part_handler] {
+            // SAFETY: the worker is live; the handler is a plain function that reads `arg` as
+            // a number, never through it.
+            check("ucp_worker_set_am_recv_handler", unsafe {
+                sys::ucp_worker_set_am_recv_handler(worker.0, &handler)
+            })?;
+        }
 
         let mut attr = sys::ucp_worker_attr_t {
             field_mask: u64::from(sys::UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER),
@@ -362,7 +520,10 @@ impl Progress {
         check("ucp_worker_query", unsafe {
             sys::ucp_worker_query(worker.0, &mut attr)
         })?;
-        let max_header = attr.max_am_header.saturating_sub(WIRE_PREFIX);
+        // Part 0 carries the caller's header after the longer part prefix.
+        let max_header = attr
+            .max_am_header
+            .saturating_sub(PART_PREFIX.max(WIRE_PREFIX));
 
         let mut efd: c_int = -1;
         // SAFETY: the worker is live (created with UCP_FEATURE_WAKEUP); `efd` is an out-pointer.
@@ -402,6 +563,7 @@ impl Progress {
                 max_header,
                 endpoints: HashMap::new(),
                 pending: HashMap::new(),
+                sends: HashMap::new(),
                 streams: HashMap::new(),
                 next_token: 1,
                 random: RandomState::new(),
@@ -481,14 +643,8 @@ impl Progress {
             timeout = Duration::from_millis(1);
         }
         let now = Instant::now();
-        for pending in self.pending.values() {
-            if let Pending::Send {
-                deadline: Some(deadline),
-                ..
-            } = pending
-            {
-                timeout = timeout.min(deadline.saturating_duration_since(now));
-            }
+        for deadline in self.sends.values().filter_map(|send| send.deadline) {
+            timeout = timeout.min(deadline.saturating_duration_since(now));
         }
         let mut fds = [
             libc::pollfd {
@@ -539,6 +695,14 @@ impl Progress {
             }));
             return;
         }
+        let bytes: u64 = payload.iter().map(|s| s.len() as u64).sum();
+        if bytes > self.config.max_message_bytes {
+            let _ = reply.send(Err(UcxError::MessageTooLarge {
+                len: bytes,
+                max: self.config.max_message_bytes,
+            }));
+            return;
+        }
         let (ep, peer_id, stream, seq) = match self.endpoint(peer) {
             Ok(endpoint) => (
                 endpoint.ep,
@@ -551,83 +715,110 @@ impl Progress {
                 return;
             }
         };
-        let mut wire = Vec::with_capacity(WIRE_PREFIX + header.len());
-        wire.extend_from_slice(&stream.to_le_bytes());
-        wire.extend_from_slice(&seq.to_le_bytes());
-        wire.extend_from_slice(&header);
-        let token = self.token();
-        let mut param = sys::ucp_request_param_t {
-            op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA,
-            user_data: user_data(token),
-            ..Default::default()
+        // The active messages to send: `(id, wire header, segments)`.
+        let split = match self.config.part_threshold {
+            Some(threshold) => parts::plan(&payload, threshold),
+            None => Vec::new(),
         };
-        param.cb.send = Some(on_send_done);
-        let bytes: usize = payload.iter().map(Bytes::len).sum();
-        // One segment goes as it is; several as an I/O vector, so none is copied together.
-        let iov: Vec<sys::ucp_dt_iov_t> = if payload.len() > 1 {
-            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
-            param.datatype = sys::ucp_datatype_t::from(sys::UCP_DATATYPE_IOV);
-            payload
-                .iter()
-                .map(|segment| sys::ucp_dt_iov_t {
-                    buffer: segment.as_ptr().cast_mut().cast::<c_void>(),
-                    length: segment.len(),
+        let messages: Vec<(u32, Vec<u8>, Range<usize>)> = match u32::try_from(split.len())
+            .ok()
+            .filter(|&n| (2..=MAX_PARTS).contains(&n))
+        {
+            Some(count) => (0u32..)
+                .zip(split)
+                .map(|(index, part)| {
+                    let wire = PartHeader {
+                        stream,
+                        seq,
+                        index,
+                        count,
+                        offset: part.offset,
+                        total: bytes,
+                    }
+                    .encode(if index == 0 { &header } else { &[] });
+                    (PART_AM_ID, wire, part.segments)
                 })
-                .collect()
-        } else {
-            Vec::new()
+                .collect(),
+            None => {
+                let mut wire = Vec::with_capacity(WIRE_PREFIX + header.len());
+                wire.extend_from_slice(&stream.to_le_bytes());
+                wire.extend_from_slice(&seq.to_le_bytes());
+                wire.extend_from_slice(&header);
+                vec![(AM_ID, wire, 0..payload.len())]
+            }
         };
-        let (buffer, count) = match payload.first() {
-            _ if !iov.is_empty() => (iov.as_ptr().cast::<c_void>(), iov.len()),
-            Some(segment) => (segment.as_ptr().cast::<c_void>(), segment.len()),
-            None => (ptr::null(), 0),
-        };
-        // SAFETY: the endpoint belongs to this worker and thread; `wire`, the payload's
-        // segments and the I/O vector over them are kept alive (in `Pending::Send`) until UCX
-        // reports completion, or are no longer needed when the call completes at once. UCX
-        // only reads through the vector's (const-cast) pointers.
-        let request = unsafe {
-            sys::ucp_am_send_nbx(
-                ep,
-                AM_ID,
-                wire.as_ptr().cast::<c_void>(),
-                wire.len(),
-                buffer,
-                count,
-                &param,
-            )
-        };
-        if sys::UCS_PTR_IS_ERR(request) {
-            let status = Status::new(sys::UCS_PTR_RAW_STATUS(request));
+        let group = self.token();
+        let mut headers = Vec::with_capacity(messages.len());
+        let mut iovs = Vec::new();
+        let mut requests = Vec::new();
+        let mut failure = None;
+        for (am_id, wire, segments) in messages {
+            let token = self.token();
+            let mut iov = Vec::new();
+            // SAFETY: the endpoint belongs to this worker and thread; the wire header (whose
+            // heap buffer does not move when the `Vec` does), the payload's segments and the I/O
+            // vector are kept in the send group until UCX reports every request complete.
+            let request = unsafe {
+                post_send(
+                    ep,
+                    am_id,
+                    &wire,
+                    &payload[segments],
+                    &mut iov,
+                    user_data(token),
+                )
+            };
+            headers.push(wire);
+            if !iov.is_empty() {
+                iovs.push(iov);
+            }
+            if sys::UCS_PTR_IS_ERR(request) {
+                failure = Some(Status::new(sys::UCS_PTR_RAW_STATUS(request)));
+                break;
+            }
+            if !request.is_null() {
+                requests.push((token, request));
+            }
+        }
+        let mut reply = Some(reply);
+        if let Some(status) = failure {
             warn!(peer = %peer_id, %status, "UCX send failed at once");
-            let _ = reply.send(Err(UcxError::Send {
-                peer: peer_id,
-                status,
-            }));
+            if let Some(reply) = reply.take() {
+                let _ = reply.send(Err(UcxError::Send {
+                    peer: peer_id.clone(),
+                    status,
+                }));
+            }
             self.retire_endpoint(stream);
+        } else {
+            if let Some(endpoint) = self.endpoints.values_mut().find(|e| e.stream == stream) {
+                endpoint.next_seq += 1;
+            }
+            if requests.is_empty() {
+                trace!(peer = %peer_id, seq, bytes, "UCX send completed at once");
+                if let Some(reply) = reply.take() {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+        }
+        if requests.is_empty() {
             return;
         }
-        if let Some(endpoint) = self.endpoints.values_mut().find(|e| e.stream == stream) {
-            endpoint.next_seq += 1;
+        for &(token, request) in &requests {
+            self.pending.insert(token, Pending::Send { request, group });
         }
-        if request.is_null() {
-            trace!(peer = %peer_id, seq, bytes, "UCX send completed at once");
-            let _ = reply.send(Ok(()));
-            return;
-        }
-        let deadline = self.config.send_timeout.map(|t| Instant::now() + t);
-        self.pending.insert(
-            token,
-            Pending::Send {
-                request,
+        self.sends.insert(
+            group,
+            SendGroup {
                 stream,
                 peer: peer_id,
-                reply: Some(reply),
-                deadline,
+                reply,
+                deadline: self.config.send_timeout.map(|t| Instant::now() + t),
+                outstanding: requests.len(),
                 _buffers: SendBuffers {
-                    _header: wire,
+                    _headers: headers,
                     _payload: payload,
-                    _iov: iov,
+                    _iovs: iovs,
                 },
             },
         );
@@ -769,17 +960,17 @@ impl Progress {
         let Arrival {
             stream,
             seq,
+            part,
             header,
             body,
         } = arrival;
+        if let Some(part) = part {
+            return self.accept_part(part, header, body);
+        }
         let state = self.streams.entry(stream).or_default();
         if seq < state.next_seq || state.slots.contains_key(&seq) {
             warn!(stream, seq, "duplicate UCX message dropped");
-            if let ArrivalBody::Rendezvous { desc, .. } = body {
-                // SAFETY: the descriptor came from this worker's AM callback, which returned
-                // UCS_INPROGRESS, and is released once.
-                unsafe { sys::ucp_am_data_release(self.worker.0, desc) };
-            }
+            self.release(body);
             return;
         }
         match body {
@@ -790,29 +981,33 @@ impl Progress {
                 };
                 state.slots.insert(seq, Slot::Ready(message));
             }
+            ArrivalBody::Rendezvous { len, .. } if len as u64 > self.config.max_message_bytes => {
+                warn!(
+                    stream,
+                    seq,
+                    len,
+                    max = self.config.max_message_bytes,
+                    "UCX message over the size limit refused: message lost"
+                );
+                state.slots.insert(seq, Slot::Lost);
+                self.release(body);
+            }
             ArrivalBody::Rendezvous { desc, len } => {
                 let mut buffer = match &self.config.receive_buffers {
                     Some(buffers) => buffers.allocate(len),
                     None => crate::receive::fresh(len),
                 };
                 let token = self.token();
-                let mut param = sys::ucp_request_param_t {
-                    op_attr_mask: sys::UCP_OP_ATTR_FIELD_CALLBACK
-                        | sys::UCP_OP_ATTR_FIELD_USER_DATA,
-                    user_data: user_data(token),
-                    ..Default::default()
-                };
-                param.cb.recv_am = Some(on_recv_done);
                 // SAFETY: `desc` is a rendezvous descriptor from this worker's AM callback;
                 // `buffer` has room for `len` bytes that stay put (it is kept in
                 // `Pending::Receive`) until UCX reports completion (`ReceiveBuffer`'s contract).
                 let request = unsafe {
-                    sys::ucp_am_recv_data_nbx(
+                    receive_into(
                         self.worker.0,
                         desc,
-                        buffer.as_mut_ptr().cast::<c_void>(),
+                        buffer.as_mut_ptr(),
                         len,
-                        &param,
+                        user_data(token),
                     )
                 };
                 let state = self.streams.entry(stream).or_default();
@@ -843,6 +1038,108 @@ impl Progress {
         }
     }
 
+    /// Puts an arrived part into its message's assembly (made by the first part to arrive).
+    fn accept_part(&mut self, part: PartHeader, header: Vec<u8>, body: ArrivalBody) {
+        let (stream, seq) = (part.stream, part.seq);
+        let token = self.token();
+        let state = self.streams.entry(stream).or_default();
+        if seq < state.next_seq {
+            warn!(
+                stream,
+                seq,
+                index = part.index,
+                "part of a finished UCX message dropped"
+            );
+            self.release(body);
+            return;
+        }
+        let max = self.config.max_message_bytes;
+        let buffers = self.config.receive_buffers.as_ref();
+        let slot =
+            state
+                .slots
+                .entry(seq)
+                .or_insert_with(|| match Assembly::new(&part, max, buffers) {
+                    Ok(assembly) => Slot::Assembling(Box::new(assembly)),
+                    Err(e) => {
+                        warn!(stream, seq, "UCX message refused: {e}");
+                        Slot::Lost
+                    }
+                });
+        let Slot::Assembling(assembly) = slot else {
+            // Refused, lost, or a whole message of the same number: nothing to put it into.
+            self.release(body);
+            return;
+        };
+        match body {
+            ArrivalBody::Eager(data) => {
+                if let Err(e) = assembly.write(&part, header, &data) {
+                    assembly.fail(e);
+                }
+            }
+            ArrivalBody::Rendezvous { desc, len } => match assembly.place(&part, header, len) {
+                Err(e) => {
+                    assembly.fail(e);
+                    // SAFETY: the descriptor came from this worker's AM callback, which
+                    // returned UCS_INPROGRESS, and is released once.
+                    unsafe { sys::ucp_am_data_release(self.worker.0, desc) };
+                }
+                Ok(target) => {
+                    // SAFETY: `desc` is a rendezvous descriptor from this worker's AM callback;
+                    // `target` points to `len` bytes of the assembly's buffer, which stays put
+                    // until the assembly has seen this receive finish (it is settled only then).
+                    let request =
+                        unsafe { receive_into(self.worker.0, desc, target, len, user_data(token)) };
+                    if sys::UCS_PTR_IS_ERR(request) {
+                        let status = Status::new(sys::UCS_PTR_RAW_STATUS(request));
+                        assembly.fail(format!("receiving part {} failed: {status}", part.index));
+                    } else if !request.is_null() {
+                        assembly.started();
+                        self.pending.insert(
+                            token,
+                            Pending::ReceivePart {
+                                request,
+                                stream,
+                                seq,
+                                len,
+                            },
+                        );
+                    }
+                }
+            },
+        }
+        self.settle(stream, seq);
+    }
+
+    /// Turns a message's assembly into the message (or a loss) once it is settled.
+    fn settle(&mut self, stream: u64, seq: u64) {
+        let Some(slot) = self
+            .streams
+            .get_mut(&stream)
+            .and_then(|state| state.slots.get_mut(&seq))
+        else {
+            return;
+        };
+        if !matches!(slot, Slot::Assembling(assembly) if assembly.is_settled()) {
+            return;
+        }
+        if let Slot::Assembling(assembly) = std::mem::replace(slot, Slot::Lost) {
+            match (*assembly).finish() {
+                Ok(message) => *slot = Slot::Ready(message),
+                Err(reason) => warn!(stream, seq, "UCX message lost: {reason}"),
+            }
+        }
+    }
+
+    /// Lets go of an arrival that is dropped.
+    fn release(&self, body: ArrivalBody) {
+        if let ArrivalBody::Rendezvous { desc, .. } = body {
+            // SAFETY: the descriptor came from this worker's AM callback, which returned
+            // UCS_INPROGRESS, and is released once (the body is consumed).
+            unsafe { sys::ucp_am_data_release(self.worker.0, desc) };
+        }
+    }
+
     /// Finishes one request; returns the stream whose delivery may advance.
     fn complete(&mut self, token: u64, status: sys::ucs_status_t, length: usize) -> Option<u64> {
         let pending = self.pending.remove(&token)?;
@@ -850,24 +1147,28 @@ impl Progress {
         // callback has fired, and it is freed once (its entry was just removed).
         unsafe { sys::ucp_request_free(pending.request()) };
         match pending {
-            Pending::Send {
-                stream,
-                peer,
-                reply,
-                ..
-            } => {
-                let result = if status == sys::UCS_OK {
-                    Ok(())
-                } else {
-                    let status = Status::new(status);
-                    warn!(peer = %peer, %status, "UCX send failed");
-                    self.retire_endpoint(stream);
-                    Err(UcxError::Send { peer, status })
-                };
-                if let Some(reply) = reply {
-                    let _ = reply.send(result);
-                }
+            Pending::Send { group, .. } => {
+                self.send_done(group, status);
                 None
+            }
+            Pending::ReceivePart {
+                stream, seq, len, ..
+            } => {
+                let assembly = self
+                    .streams
+                    .get_mut(&stream)
+                    .and_then(|state| state.slots.get_mut(&seq));
+                if let Some(Slot::Assembling(assembly)) = assembly {
+                    assembly.received(if status != sys::UCS_OK {
+                        Err(format!("receiving a part failed: {}", Status::new(status)))
+                    } else if length != len {
+                        Err(format!("a part of {len} bytes brought {length}"))
+                    } else {
+                        Ok(())
+                    });
+                }
+                self.settle(stream, seq);
+                Some(stream)
             }
             Pending::Receive {
                 buffer,
@@ -898,13 +1199,43 @@ impl Progress {
         }
     }
 
+    /// One request of send `group` finished: the caller hears of the first failure, or of
+    /// success once every request is done.
+    fn send_done(&mut self, group: u64, status: sys::ucs_status_t) {
+        let Some(send) = self.sends.get_mut(&group) else {
+            return;
+        };
+        send.outstanding = send.outstanding.saturating_sub(1);
+        let failed = status != sys::UCS_OK;
+        if failed && let Some(reply) = send.reply.take() {
+            let status = Status::new(status);
+            warn!(peer = %send.peer, %status, "UCX send failed");
+            let _ = reply.send(Err(UcxError::Send {
+                peer: send.peer.clone(),
+                status,
+            }));
+        }
+        let stream = send.stream;
+        if send.outstanding == 0
+            && let Some(send) = self.sends.remove(&group)
+            && let Some(reply) = send.reply
+        {
+            let _ = reply.send(Ok(()));
+        }
+        if failed {
+            self.retire_endpoint(stream);
+        }
+    }
+
     /// Hands the stream's messages that are next in sequence to the incoming channel.
     fn deliver(&mut self, stream: u64) {
         let Some(state) = self.streams.get_mut(&stream) else {
             return;
         };
         while let Some(entry) = state.slots.first_entry() {
-            if *entry.key() != state.next_seq || matches!(entry.get(), Slot::Receiving) {
+            if *entry.key() != state.next_seq
+                || matches!(entry.get(), Slot::Receiving | Slot::Assembling(_))
+            {
                 break;
             }
             state.next_seq += 1;
@@ -923,32 +1254,30 @@ impl Progress {
         };
         let now = Instant::now();
         let mut expired = Vec::new();
-        for pending in self.pending.values_mut() {
-            if let Pending::Send {
-                request,
-                stream,
-                peer,
-                reply,
-                deadline,
-                ..
-            } = pending
-                && deadline.is_some_and(|d| d <= now)
-            {
-                *deadline = None;
-                if let Some(reply) = reply.take() {
-                    warn!(peer = %peer, ?after, "UCX send timed out: cancelling");
+        for (&group, send) in &mut self.sends {
+            if send.deadline.is_some_and(|d| d <= now) {
+                send.deadline = None;
+                if let Some(reply) = send.reply.take() {
+                    warn!(peer = %send.peer, ?after, "UCX send timed out: cancelling");
                     let _ = reply.send(Err(UcxError::TimedOut {
-                        peer: peer.clone(),
+                        peer: send.peer.clone(),
                         after,
                     }));
                 }
-                expired.push((*request, *stream));
+                expired.push((group, send.stream));
             }
         }
-        for (request, stream) in expired {
-            // SAFETY: the request is outstanding on this worker (its callback has not fired, so
-            // it is still in `pending`); it stays there until the callback reports completion.
-            unsafe { sys::ucp_request_cancel(self.worker.0, request) };
+        for (group, stream) in expired {
+            for pending in self.pending.values() {
+                if let Pending::Send { request, group: g } = pending
+                    && *g == group
+                {
+                    // SAFETY: the request is outstanding on this worker (its callback has not
+                    // fired, so it is still in `pending`); it stays there until the callback
+                    // reports completion.
+                    unsafe { sys::ucp_request_cancel(self.worker.0, *request) };
+                }
+            }
             self.retire_endpoint(stream);
         }
     }
@@ -996,8 +1325,15 @@ impl Progress {
             }
         }
         let left = std::mem::take(&mut self.pending);
+        let parts_left = left
+            .values()
+            .any(|pending| matches!(pending, Pending::ReceivePart { .. }));
         let Progress {
-            worker, context, ..
+            worker,
+            context,
+            sends,
+            streams,
+            ..
         } = self;
         if !left.is_empty() {
             warn!(
@@ -1005,16 +1341,23 @@ impl Progress {
                 "UCX operations still outstanding at shutdown; their buffers are leaked"
             );
         }
-        let mut replies = Vec::new();
-        for mut pending in left.into_values() {
+        for pending in left.into_values() {
             // SAFETY: the request is outstanding on this worker and freed once; UCX asserts at
             // worker destruction that every request was handed back. No callback fires for it
             // afterwards.
             unsafe { sys::ucp_request_free(pending.request()) };
-            if let Pending::Send { reply, .. } = &mut pending {
-                replies.extend(reply.take());
-            }
             std::mem::forget(pending);
+        }
+        // The buffers of sends and assemblies still in flight are leaked with them.
+        let mut replies = Vec::new();
+        for mut send in sends.into_values() {
+            replies.extend(send.reply.take());
+            std::mem::forget(send);
+        }
+        if parts_left {
+            std::mem::forget(streams);
+        } else {
+            drop(streams);
         }
         drop(worker);
         drop(context);
