@@ -127,6 +127,7 @@ impl LocalCluster {
                 token: None,
                 shuffle_port: 0,
                 transport: wrk_host::shuffle::TransportChoice::Tcp,
+                ucx_part_threshold: None,
                 pool_bytes,
                 spill_root: spill_root.clone(),
                 // Many local workers share one machine: they would all claim GPU 0 and a pool

@@ -302,6 +302,11 @@ struct WorkerArgs {
     /// workers of a pair do, else TCP), tcp, or ucx (fail at start without it).
     #[arg(long, env = "WRK_TRANSPORT", default_value = "auto")]
     transport: TransportChoice,
+    /// Over UCX, send each Arrow buffer of at least this size (`1MiB`) as its own rendezvous:
+    /// one copy instead of two, but all of it on the receiver's side. Measured slower between
+    /// two processes of one 2-core host (docs/shuffle.md); for fabrics with RDMA.
+    #[arg(long, env = "WRK_UCX_PART_THRESHOLD")]
+    ucx_part_threshold: Option<bytesize::ByteSize>,
     /// What this worker may use in all (the container's memory limit), with a unit (`16GiB`);
     /// default: the machine's memory, or its cgroup's limit when lower.
     #[arg(long, env = "WRK_MEMORY_LIMIT_BYTES")]
@@ -540,6 +545,7 @@ async fn run() -> Result<()> {
                 token: args.token,
                 shuffle_port: args.shuffle_port,
                 transport: args.transport,
+                ucx_part_threshold: args.ucx_part_threshold.map(|size| size.0 as usize),
                 pool_bytes: memory.pool,
                 spill_root: args.spill_dir.unwrap_or_else(spill::default_root),
                 device: DeviceConfig {

@@ -90,7 +90,7 @@ async fn receive(kind: &str) -> Result<()> {
         }
         #[cfg(feature = "ucx")]
         "ucx" => {
-            let transport = wrk_host::shuffle::ucx::UcxTransport::start(store, metrics())?;
+            let transport = wrk_host::shuffle::ucx::UcxTransport::start(store, metrics(), None)?;
             writeln!(out, "{}", hex::encode(transport.address()))?;
             _ucx = transport;
         }
@@ -278,7 +278,7 @@ async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
         let (mut ucx_child, address) = spawn_receiver("ucx")?;
         let spill = tempfile::tempdir()?;
         let store = piece_store(1 << 30, spill.path())?;
-        let sender = wrk_host::shuffle::ucx::UcxTransport::start(store, metrics())?;
+        let sender = wrk_host::shuffle::ucx::UcxTransport::start(store, metrics(), None)?;
         let peer = ShufflePeer {
             worker_id: "receiver".into(),
             tcp_address: String::new(),

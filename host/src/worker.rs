@@ -58,6 +58,9 @@ pub struct WorkerConfig {
     pub shuffle_port: u16,
     /// The transport between workers for shuffles.
     pub transport: TransportChoice,
+    /// Over UCX, send each Arrow buffer of at least this many bytes as its own rendezvous
+    /// (single copy) instead of the whole push as one I/O vector (see `docs/shuffle.md`).
+    pub ucx_part_threshold: Option<usize>,
     /// Size of the worker's memory pool (see `crate::memory::size` for choosing it).
     pub pool_bytes: u64,
     /// Where the worker spills partitions: its own directory under this root.
@@ -246,6 +249,7 @@ pub async fn run_retirable(
         secret,
         metrics.clone(),
         config.transport,
+        config.ucx_part_threshold,
     )?);
 
     let (metrics_server, http_address) = match config.metrics_listen {

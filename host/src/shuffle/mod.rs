@@ -119,25 +119,31 @@ pub struct ShuffleService {
 
 impl ShuffleService {
     /// `secret` is the cluster's worker token, which peers prove they hold. Starts UCX as
-    /// `transport` says (inside a tokio runtime).
+    /// `transport` says (inside a tokio runtime), sending Arrow buffers of `ucx_part_threshold`
+    /// bytes or more as their own rendezvous when given.
     pub fn start(
         worker_id: String,
         store: Arc<PieceStore>,
         secret: Option<Vec<u8>>,
         metrics: WorkerMetrics,
         transport: TransportChoice,
+        ucx_part_threshold: Option<usize>,
     ) -> Result<Self, UcxUnavailable> {
+        #[cfg(feature = "ucx")]
+        let start_ucx =
+            || ucx::UcxTransport::start(store.clone(), metrics.clone(), ucx_part_threshold);
         #[cfg(feature = "ucx")]
         let ucx = match transport {
             TransportChoice::Tcp => None,
-            TransportChoice::Auto => ucx::UcxTransport::start(store.clone(), metrics.clone())
+            TransportChoice::Auto => start_ucx()
                 .inspect_err(|e| tracing::warn!("UCX did not start, shuffles use TCP: {e}"))
                 .ok(),
-            TransportChoice::Ucx => Some(
-                ucx::UcxTransport::start(store.clone(), metrics.clone())
-                    .map_err(|e| UcxUnavailable(e.to_string()))?,
-            ),
+            TransportChoice::Ucx => Some(start_ucx().map_err(|e| UcxUnavailable(e.to_string()))?),
         };
+        #[cfg(not(feature = "ucx"))]
+        if ucx_part_threshold.is_some() {
+            tracing::warn!("--ucx-part-threshold has no effect: this wrk was built without UCX");
+        }
         #[cfg(not(feature = "ucx"))]
         if transport == TransportChoice::Ucx {
             return Err(UcxUnavailable(

@@ -49,14 +49,17 @@ pub struct UcxTransport {
 }
 
 impl UcxTransport {
-    /// Starts UCX and the task that stores what peers push and answers them.
+    /// Starts UCX and the task that stores what peers push and answers them; Arrow buffers of
+    /// `part_threshold` bytes or more go as their own rendezvous when given.
     pub fn start(
         store: Arc<PieceStore>,
         metrics: WorkerMetrics,
+        part_threshold: Option<usize>,
     ) -> Result<Self, wrk_ucx::UcxError> {
         let config = UcxConfig {
             send_timeout: Some(SEND_TIMEOUT),
             receive_buffers: Some(Arc::new(ReusedBlocks)),
+            part_threshold,
             ..UcxConfig::default()
         };
         let (ucx, incoming) = Ucx::start(config)?;
@@ -318,12 +321,22 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pieces_with_large_buffers_arrive_intact_and_are_acknowledged() {
+        deliver_large_buffers(None).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pieces_sent_one_rendezvous_per_large_buffer_arrive_intact() {
+        deliver_large_buffers(Some(1 << 20)).await;
+    }
+
+    async fn deliver_large_buffers(part_threshold: Option<usize>) {
         let metrics = || WorkerMetrics::new(crate::metrics::compile_cache_counter());
         let (sender_store, _sender_dir) = piece_store(1 << 30);
         let (store, _dir) = piece_store(1 << 30);
         let store = Arc::new(store);
-        let sender = UcxTransport::start(Arc::new(sender_store), metrics()).unwrap();
-        let receiver = UcxTransport::start(store.clone(), metrics()).unwrap();
+        let sender =
+            UcxTransport::start(Arc::new(sender_store), metrics(), part_threshold).unwrap();
+        let receiver = UcxTransport::start(store.clone(), metrics(), part_threshold).unwrap();
         let peer = ShufflePeer {
             worker_id: "reducer-worker".into(),
             tcp_address: String::new(),
