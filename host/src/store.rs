@@ -687,8 +687,15 @@ impl TaskMemory {
 
 impl Drop for TaskMemory {
     fn drop(&mut self) {
-        self.store.lock().tasks.remove(&self.key);
-        self.store.changed.notify_all();
+        let mut inner = self.store.lock();
+        inner.tasks.remove(&self.key);
+        // Waking is a system call even with nobody waiting: most tasks end with no admission
+        // waiting for memory (one that starts waiting after this sees the task gone).
+        let waiting = !inner.waiters.is_empty();
+        drop(inner);
+        if waiting {
+            self.store.changed.notify_all();
+        }
     }
 }
 

@@ -36,6 +36,10 @@ use crate::store::{PartitionId, PartitionStore, PoolError, StoreStats, TaskMemor
 use crate::table::Table;
 use crate::transfer::{DataService, PeerClient};
 
+mod slots;
+
+use slots::SlotQueue;
+
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
     /// The scheduler's gRPC address, e.g. `http://127.0.0.1:7070`.
@@ -101,6 +105,8 @@ pub enum WorkerError {
     SchedulerGone { address: String, detail: String },
     #[error(transparent)]
     Transport(#[from] UcxUnavailable),
+    #[error("cannot start the threads of the worker's slots: {0}")]
+    Slots(std::io::Error),
 }
 
 /// A broadcast table, fetched once per worker and shared by the tasks that read it.
@@ -124,9 +130,16 @@ struct Shared {
     /// may still retract to give them to an idle worker; an attempt leaves the set when it
     /// starts or is retracted, whichever comes first.
     queued: std::sync::Mutex<HashSet<AttemptKey>>,
-    /// One permit per slot: the scheduler may queue more tasks here than run at once.
-    slots: tokio::sync::Semaphore,
+    /// Tasks assigned here, waiting for a slot's thread (the scheduler may queue more tasks
+    /// here than run at once).
+    queue: SlotQueue<Assigned>,
     running: std::sync::atomic::AtomicU32,
+}
+
+/// A task assigned to this worker and the flag that cancels it.
+struct Assigned {
+    task: AssignTask,
+    cancel: Arc<AtomicBool>,
 }
 
 /// A task failure, and whether another attempt might succeed.
@@ -338,9 +351,21 @@ pub async fn run_retirable(
         outbox: outbox.clone(),
         cancels: Default::default(),
         queued: Default::default(),
-        slots: tokio::sync::Semaphore::new(config.slots.max(1) as usize),
+        queue: SlotQueue::default(),
         running: Default::default(),
     });
+    let runtime = tokio::runtime::Handle::current();
+    for slot in 0..config.slots.max(1) {
+        let (shared, runtime) = (shared.clone(), runtime.clone());
+        std::thread::Builder::new()
+            .name(format!("wrk-slot-{slot}"))
+            .spawn(move || {
+                while let Some(assigned) = shared.queue.pop() {
+                    run_assigned(&shared, &runtime, assigned);
+                }
+            })
+            .map_err(WorkerError::Slots)?;
+    }
     let mut heartbeat = tokio::time::interval(heartbeat_every);
     tokio::pin!(shutdown);
     tokio::pin!(retire);
@@ -370,8 +395,7 @@ pub async fn run_retirable(
                         // Registered here, in message order, so a cancel that follows the
                         // assignment always finds the task.
                         let cancel = shared.register(&task);
-                        let shared = shared.clone();
-                        tokio::spawn(async move { run_assigned(shared, task, cancel).await });
+                        shared.queue.push(Assigned { task, cancel });
                     }
                     Some(FromScheduler::Release(release)) => {
                         shared.cancel_where(|(job, _, _)| *job == release.job_id);
@@ -422,6 +446,10 @@ pub async fn run_retirable(
             },
         }
     };
+    // The slots' threads end with the queue; a guest still running is stopped (its outcome has
+    // nowhere to go).
+    shared.queue.close();
+    shared.cancel_where(|_| true);
     let _ = stop_data.send(());
     let _ = data_server.await;
     shuffle_server.abort();
@@ -586,20 +614,20 @@ impl Shared {
     }
 }
 
-async fn run_assigned(shared: Arc<Shared>, task: AssignTask, cancel: Arc<AtomicBool>) {
+/// Runs one assigned task on a slot's thread, unless it was retracted meanwhile, and reports
+/// its outcome to the scheduler.
+fn run_assigned(shared: &Arc<Shared>, runtime: &tokio::runtime::Handle, assigned: Assigned) {
     use std::sync::atomic::Ordering;
-    let id = task.task.clone().unwrap_or_default();
-    let key = task_key(&task);
-    let Ok(_slot) = shared.slots.acquire().await else {
-        return; // the semaphore is never closed
-    };
+    let Assigned { task, cancel } = assigned;
     if !shared.begin(&task) {
         // Retracted while queued: the scheduler gave it to another worker.
         if let Ok(mut cancels) = shared.cancels.lock() {
-            cancels.remove(&key);
+            cancels.remove(&task_key(&task));
         }
         return;
     }
+    let id = task.task.clone().unwrap_or_default();
+    let key = task_key(&task);
     shared.running.fetch_add(1, Ordering::Relaxed);
     shared.metrics.running_tasks.inc();
     tracing::debug!(worker = %shared.worker_id, task = %id, stage = %task.stage_name, "task started");
@@ -607,7 +635,7 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask, cancel: Arc<AtomicB
     let outcome = if cancel.load(Ordering::Relaxed) {
         Err(Failure::fatal("the task was cancelled before it started"))
     } else {
-        execute(&shared, task, cancel).await
+        execute(shared, runtime, task, cancel)
     };
     if let Ok(mut cancels) = shared.cancels.lock() {
         cancels.remove(&key);
@@ -658,23 +686,29 @@ async fn run_assigned(shared: Arc<Shared>, task: AssignTask, cancel: Arc<AtomicB
             })
         }
     };
-    let _ = shared
-        .outbox
-        .send(WorkerMessage {
-            kind: Some(message),
-        })
-        .await;
+    // A slot's thread is no async context: it may wait for room in the outbox.
+    let _ = shared.outbox.blocking_send(WorkerMessage {
+        kind: Some(message),
+    });
 }
 
-async fn execute(
+/// What a task needs before its guest runs: the compiled component, its memory account, its
+/// inputs and its shuffle exchanges.
+struct Prepared {
+    compiled: Arc<CompiledTask>,
+    memory: Arc<TaskMemory>,
+    inputs: Vec<Table>,
+    shuffle: Option<Arc<TaskShuffle>>,
+}
+
+/// Fetches (or compiles) the component and loads the inputs; from a slot's thread, through the
+/// runtime (immediate when the component is cached and the task has no inputs).
+async fn prepare(
     shared: &Arc<Shared>,
-    task: AssignTask,
-    cancel: Arc<AtomicBool>,
-) -> Result<(Vec<Table>, TaskStats), Failure> {
-    let started = Instant::now();
-    let compiled = compiled_module(shared, &task).await?;
-    let prepare = started.elapsed();
-    let id = task.task.clone().unwrap_or_default();
+    task: &AssignTask,
+    id: &TaskId,
+) -> Result<Prepared, Failure> {
+    let compiled = compiled_module(shared, task).await?;
     let memory = shared
         .store
         .begin_task(format!("{}/{}/{}", id.job_id, id.stage, id.index));
@@ -682,36 +716,48 @@ async fn execute(
     for input in &task.inputs {
         inputs.push(load_input(shared, input, &memory).await?);
     }
-    let input_rows: u64 = inputs.iter().map(|t| t.num_rows() as u64).sum();
     let shuffle = if task.sends.is_empty() && task.receives.is_empty() {
         None
     } else {
         let shuffle = Arc::new(TaskShuffle::new(
             shared.shuffle.clone(),
             tokio::runtime::Handle::current(),
-            &id,
+            id,
             task.sends.clone(),
             task.receives.clone(),
         ));
         shuffle.check_inputs().map_err(Failure::retriable)?;
         Some(shuffle)
     };
+    Ok(Prepared {
+        compiled,
+        memory,
+        inputs,
+        shuffle,
+    })
+}
+
+/// Prepares and runs one task attempt on the calling slot's thread.
+fn execute(
+    shared: &Arc<Shared>,
+    runtime: &tokio::runtime::Handle,
+    task: AssignTask,
+    cancel: Arc<AtomicBool>,
+) -> Result<(Vec<Table>, TaskStats), Failure> {
+    let started = Instant::now();
+    let id = task.task.clone().unwrap_or_default();
+    let Prepared {
+        compiled,
+        memory,
+        inputs,
+        shuffle,
+    } = runtime.block_on(prepare(shared, &task, &id))?;
+    let prepare = started.elapsed();
+    let input_rows: u64 = inputs.iter().map(|t| t.num_rows() as u64).sum();
     let grants =
         |g: &std::collections::HashMap<String, wrk_proto::Grant>| -> BTreeMap<String, String> {
             g.iter().map(|(k, v)| (k.clone(), v.uri.clone())).collect()
         };
-    let info = Arc::new(TaskInfo {
-        job_id: id.job_id.clone(),
-        job_name: task.job_name.clone(),
-        stage_name: task.stage_name.clone(),
-        task_index: id.index,
-        task_count: task.task_count,
-        params: task.params.clone().into_iter().collect(),
-        sources: grants(&task.sources),
-        sinks: grants(&task.sinks),
-        module_name: task.module_name.clone(),
-        shuffle: shuffle.clone(),
-    });
     let defaults = shared.engine.config();
     let limits = task.limits.unwrap_or_default();
     let limits = TaskLimits {
@@ -726,14 +772,21 @@ async fn execute(
             defaults.default_task_timeout
         },
     };
-    let runner = shared.clone();
-    let run = tokio::task::spawn_blocking(move || {
-        runner
-            .engine
-            .run(&compiled, info, inputs, limits, cancel, memory)
-    })
-    .await
-    .map_err(|e| Failure::fatal(format!("task thread failed: {e}")))?;
+    let info = Arc::new(TaskInfo {
+        job_id: id.job_id,
+        job_name: task.job_name,
+        stage_name: task.stage_name,
+        task_index: id.index,
+        task_count: task.task_count,
+        params: task.params.into_iter().collect(),
+        sources: grants(&task.sources),
+        sinks: grants(&task.sinks),
+        module_name: task.module_name,
+        shuffle: shuffle.clone(),
+    });
+    let run = shared
+        .engine
+        .run(&compiled, info, inputs, limits, cancel, memory);
     let run = match (run, &shuffle) {
         (Ok(run), _) => run,
         // The guest failed on a shuffle problem another attempt may not meet (a peer lost,
@@ -749,7 +802,9 @@ async fn execute(
         }
     };
     if let Some(shuffle) = &shuffle {
-        shuffle.finish().await.map_err(Failure::retriable)?;
+        runtime
+            .block_on(shuffle.finish())
+            .map_err(Failure::retriable)?;
         shuffle.release_received();
     }
     let metrics = &shared.metrics;
@@ -817,15 +872,8 @@ fn pool_failure(e: PoolError) -> Failure {
     }
 }
 
-/// Runs a blocking pool operation (it may spill, read back, or wait for memory).
-async fn blocking<T: Send + 'static>(
-    work: impl FnOnce() -> Result<T, Failure> + Send + 'static,
-) -> Result<T, Failure> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| Failure::fatal(format!("memory thread failed: {e}")))?
-}
-
+/// A task's input. Called on the task's slot thread (see [`prepare`]), which pool operations
+/// that spill, read back or wait for memory may block.
 async fn load_input(
     shared: &Arc<Shared>,
     input: &wrk_proto::TaskInput,
@@ -833,22 +881,18 @@ async fn load_input(
 ) -> Result<Table, Failure> {
     match &input.kind {
         Some(InputKind::Parquet(partition)) => {
-            let (partition, memory) = (partition.clone(), memory.clone());
-            blocking(move || {
-                // Room for the decoded batches and the table they are combined into.
-                let estimate = partition.estimated_bytes;
-                let size = memory.store().pool_size();
-                let reading = memory
-                    .lease(estimate.saturating_mul(2).min(size.max(estimate)))
-                    .map_err(pool_failure)?;
-                let table = crate::io::read_partition(&partition)
-                    .map(Table::new)
-                    .map_err(Failure::fatal)?;
-                memory.track(table.batch()).map_err(pool_failure)?;
-                drop(reading);
-                Ok(table)
-            })
-            .await
+            // Room for the decoded batches and the table they are combined into.
+            let estimate = partition.estimated_bytes;
+            let size = memory.store().pool_size();
+            let reading = memory
+                .lease(estimate.saturating_mul(2).min(size.max(estimate)))
+                .map_err(pool_failure)?;
+            let table = crate::io::read_partition(partition)
+                .map(Table::new)
+                .map_err(Failure::fatal)?;
+            memory.track(table.batch()).map_err(pool_failure)?;
+            drop(reading);
+            Ok(table)
         }
         Some(InputKind::Partition(location)) => load_partition(shared, location, memory).await,
         Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast, memory).await,
@@ -899,7 +943,7 @@ async fn fetch_partitions(shared: Arc<Shared>, fetch: FetchPartitions) {
 }
 
 /// A partition held here (read back if it was spilled) or by a peer, counted in the task's
-/// memory.
+/// memory; on the task's slot thread, like [`load_input`].
 async fn load_partition(
     shared: &Arc<Shared>,
     location: &wrk_proto::PartitionLocation,
@@ -907,31 +951,24 @@ async fn load_partition(
 ) -> Result<Table, Failure> {
     let key = location.key.clone().unwrap_or_default();
     if location.worker_id == shared.worker_id {
-        let (store, memory) = (shared.store.clone(), memory.clone());
-        let worker_id = shared.worker_id.clone();
-        return blocking(move || {
-            store
-                .get(&PartitionId::from(&key), Some(&memory))
-                .map_err(pool_failure)?
-                .ok_or_else(|| {
-                    Failure::retriable(format!(
-                        "partition {key} is no longer held by worker {worker_id}"
-                    ))
-                })
-        })
-        .await;
+        return shared
+            .store
+            .get(&PartitionId::from(&key), Some(memory))
+            .map_err(pool_failure)?
+            .ok_or_else(|| {
+                Failure::retriable(format!(
+                    "partition {key} is no longer held by worker {}",
+                    shared.worker_id
+                ))
+            });
     }
     let table = shared
         .peers
         .fetch(&location.address, &key, &location.ticket)
         .await
         .map_err(Failure::retriable)?;
-    let memory = memory.clone();
-    blocking(move || {
-        memory.track(table.batch()).map_err(pool_failure)?;
-        Ok(table)
-    })
-    .await
+    memory.track(table.batch()).map_err(pool_failure)?;
+    Ok(table)
 }
 
 /// A broadcast input: the first task of the worker to need it fetches and concatenates the

@@ -53,6 +53,18 @@ pub const WORKER_LEFT: &str = "it closed its channel";
 /// starts its next task at once instead of waiting a round trip to the scheduler.
 pub const QUEUED_PER_SLOT: u32 = 1;
 
+/// Tasks queued per slot on a worker whose recent tasks were short ([`SHORT_TASK_SECONDS`]):
+/// a slot then finishes several tasks in a round trip, and waiting behind three of them costs
+/// a queued task little. Idle workers still steal what is queued.
+pub const QUEUED_PER_SLOT_SHORT: u32 = 3;
+
+/// A worker's recent tasks are short when their moving average is below this.
+const SHORT_TASK_SECONDS: f64 = 0.005;
+
+/// The weight of the latest task in a worker's moving average of task durations: one long
+/// task makes the average long at once, about thirty short ones make it short again.
+const TASK_SECONDS_WEIGHT: f64 = 0.1;
+
 /// A task running on this many workers that died fails its job as poisoned.
 pub const POISON_AFTER_LOST_WORKERS: u32 = 3;
 
@@ -213,15 +225,31 @@ struct Worker {
     partitions: u64,
     /// Being retired: it gets no new task ([`State::retire_worker`]).
     retiring: bool,
+    /// The moving average of its tasks' durations, once one finished ([`Worker::capacity`]).
+    task_seconds: Option<f64>,
     /// The pool figures of the latest heartbeat.
     beat: wrk_proto::Heartbeat,
     memory: MemoryHistory,
 }
 
 impl Worker {
-    /// Tasks the worker may hold at once, running or queued.
+    /// Tasks the worker may hold at once, running or queued: deeper queues while its tasks
+    /// are short.
     fn capacity(&self) -> u32 {
-        self.slots * (1 + QUEUED_PER_SLOT)
+        let queued = match self.task_seconds {
+            Some(seconds) if seconds < SHORT_TASK_SECONDS => QUEUED_PER_SLOT_SHORT,
+            _ => QUEUED_PER_SLOT,
+        };
+        self.slots * (1 + queued)
+    }
+
+    /// Counts a task that ran here for `duration_us` in its moving average.
+    fn observe_task(&mut self, duration_us: u64) {
+        let seconds = duration_us as f64 / 1e6;
+        self.task_seconds = Some(match self.task_seconds {
+            Some(mean) => mean + (seconds - mean) * TASK_SECONDS_WEIGHT,
+            None => seconds,
+        });
     }
 
     fn free(&self) -> u32 {
@@ -787,6 +815,7 @@ impl State {
                 pool_used_bytes: 0,
                 partitions: 0,
                 retiring: false,
+                task_seconds: None,
                 beat: wrk_proto::Heartbeat::default(),
                 memory: MemoryHistory::default(),
             },
@@ -1364,6 +1393,10 @@ impl State {
         let Some(id) = done.task else {
             return Vec::new();
         };
+        // Before its slot is freed: the worker's room depends on how long its tasks take.
+        if let (Some(stats), Some(worker)) = (&done.stats, self.workers.get_mut(worker_id)) {
+            worker.observe_task(stats.duration_us);
+        }
         let Some((task, worker)) = self.attempt_ended(worker_id, &id) else {
             return self.dispatch();
         };
@@ -2008,7 +2041,7 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use wrk_proto::{Register, Stage, StageInput};
+    use wrk_proto::{Register, Stage, StageInput, TaskStats};
 
     pub(super) type Inbox = mpsc::UnboundedReceiver<Result<SchedulerMessage, tonic::Status>>;
 
@@ -2130,6 +2163,38 @@ mod tests {
         }
         assert_eq!(job.remaining, remaining, "remaining tasks");
         state.result(T, id).unwrap().state()
+    }
+
+    /// Reports `task` done by its worker after running for `duration_us`.
+    fn finish_after(state: &mut State, task: &AssignTask, duration_us: u64) -> Outgoing {
+        let worker = worker_of(state, task);
+        let done = TaskDone {
+            stats: Some(TaskStats {
+                duration_us,
+                ..Default::default()
+            }),
+            ..done(task, 1)
+        };
+        state.task_done(&worker, done)
+    }
+
+    #[test]
+    fn a_worker_whose_tasks_are_short_holds_more_queued_and_one_long_task_ends_that() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 2);
+        state.submit(T, one_stage(100));
+        let first = assigned(&state.dispatch());
+        assert_eq!(first.len(), 4, "two slots and one queued task each");
+        // A task of 100 us: three queued per slot, so room for five more beside the other three.
+        let more = assigned(&finish_after(&mut state, &first[0], 100));
+        assert_eq!(more.len(), 5, "eight held in all");
+        // A task of one second: back to one queued per slot; seven still held, none added.
+        assert!(assigned(&finish_after(&mut state, &first[1], 1_000_000)).is_empty());
+        // Until the held tasks drop below four, finishing short ones adds nothing.
+        for task in [&first[2], &first[3], &more[0]] {
+            assert!(assigned(&finish_after(&mut state, task, 100)).is_empty());
+        }
+        assert_eq!(assigned(&finish_after(&mut state, &more[1], 100)).len(), 1);
     }
 
     #[test]

@@ -139,6 +139,39 @@ fn components_built_against_an_incompatible_wit_version_are_refused_by_name() {
         .unwrap_or_else(|e| panic!("wrk:task@0.1.9 should be accepted: {e}"));
 }
 
+/// Guests' memory slots are reused with their dirty pages reset in place (not returned to the
+/// OS): every task must still start from the component's initial memory.
+#[test]
+fn each_task_starts_from_fresh_guest_memory_in_a_reused_slot() {
+    let wasm = std::fs::read(guest("test-guest-memory")).unwrap();
+    let engine = TaskEngine::new(EngineConfig {
+        max_concurrent_tasks: 1,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let compiled = engine
+        .prepare("memory.wasm", &module_hash(&wasm), &wasm)
+        .unwrap();
+    let spill = tempfile::tempdir().unwrap();
+    let info = Arc::new(TaskInfo {
+        stage_name: "fresh".into(),
+        ..TaskInfo::default()
+    });
+    for attempt in 0..40 {
+        let run = engine.run(
+            &compiled,
+            info.clone(),
+            vec![],
+            limits(),
+            Default::default(),
+            task_memory(spill.path()),
+        );
+        if let Err(e) = run {
+            panic!("task {attempt}: {e}");
+        }
+    }
+}
+
 #[test]
 fn a_cancelled_task_stops_within_moments() {
     let wasm = std::fs::read(guest("test-guest-spin")).unwrap();

@@ -1,0 +1,166 @@
+//! The queue between the worker's control loop and its slots: the control loop pushes the tasks
+//! the scheduler assigns, and one long-lived thread per slot pops them and runs them one after
+//! another. A slot that finishes a task takes the next queued one on the same thread, without a
+//! thread hand-off per task (no blocking-pool spawn, no wake-up while tasks are queued).
+
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+/// A FIFO shared by the slots' threads; closing it ends them.
+pub struct SlotQueue<T> {
+    state: Mutex<State<T>>,
+    ready: Condvar,
+}
+
+struct State<T> {
+    items: VecDeque<T>,
+    closed: bool,
+    /// Threads waiting in `pop`: a push wakes one only when some wait (a wake-up is a system
+    /// call even when nobody sleeps).
+    waiting: usize,
+}
+
+impl<T> Default for SlotQueue<T> {
+    fn default() -> Self {
+        SlotQueue {
+            state: Mutex::new(State {
+                items: VecDeque::new(),
+                closed: false,
+                waiting: 0,
+            }),
+            ready: Condvar::new(),
+        }
+    }
+}
+
+impl<T> SlotQueue<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // The state is a queue of plain values, consistent between any two statements.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Queues `item` behind the others; false (the item dropped) once the queue is closed.
+    pub fn push(&self, item: T) -> bool {
+        let mut state = self.lock();
+        if state.closed {
+            return false;
+        }
+        state.items.push_back(item);
+        let wake = state.waiting > 0;
+        drop(state);
+        if wake {
+            self.ready.notify_one();
+        }
+        true
+    }
+
+    /// The oldest queued item, waiting for one; `None` once the queue is closed (items still
+    /// queued then are dropped: their worker is going away).
+    pub fn pop(&self) -> Option<T> {
+        let mut state = self.lock();
+        loop {
+            if state.closed {
+                return None;
+            }
+            if let Some(item) = state.items.pop_front() {
+                return Some(item);
+            }
+            state.waiting += 1;
+            state = self
+                .ready
+                .wait(state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            state.waiting -= 1;
+        }
+    }
+
+    /// Ends every `pop`, now and later, and drops what is queued.
+    pub fn close(&self) {
+        let mut state = self.lock();
+        state.closed = true;
+        state.items.clear();
+        drop(state);
+        self.ready.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn items_come_out_in_order() {
+        let queue = SlotQueue::default();
+        for i in 0..5 {
+            assert!(queue.push(i));
+        }
+        let popped: Vec<_> = (0..5).filter_map(|_| queue.pop()).collect();
+        assert_eq!(popped, vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn every_item_is_taken_by_exactly_one_of_several_slots() {
+        let queue = Arc::new(SlotQueue::<usize>::default());
+        let taken: Arc<Vec<AtomicUsize>> =
+            Arc::new((0..10_000).map(|_| AtomicUsize::new(0)).collect());
+        let slots: Vec<_> = (0..4)
+            .map(|_| {
+                let (queue, taken) = (queue.clone(), taken.clone());
+                std::thread::spawn(move || {
+                    while let Some(i) = queue.pop() {
+                        taken[i].fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for i in 0..10_000 {
+            assert!(queue.push(i));
+            if i % 1000 == 0 {
+                // Let the slots drain the queue and wait, so pushes also wake sleeping slots.
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        while taken
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed))
+            .sum::<usize>()
+            < 10_000
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        queue.close();
+        for slot in slots {
+            slot.join().unwrap();
+        }
+        let counts: Vec<_> = taken.iter().map(|t| t.load(Ordering::Relaxed)).collect();
+        assert!(counts.iter().all(|&c| c == 1), "each item taken once");
+    }
+
+    #[test]
+    fn closing_ends_waiting_slots_and_refuses_more() {
+        let queue = Arc::new(SlotQueue::<u32>::default());
+        let waiter = {
+            let queue = queue.clone();
+            std::thread::spawn(move || queue.pop())
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        queue.close();
+        assert_eq!(waiter.join().unwrap(), None);
+        assert!(!queue.push(1), "a closed queue takes nothing");
+        assert_eq!(queue.pop(), None);
+    }
+
+    #[test]
+    fn closing_drops_what_is_queued() {
+        let queue = SlotQueue::default();
+        assert!(queue.push("never run"));
+        queue.close();
+        assert_eq!(queue.pop(), None);
+    }
+}
