@@ -34,10 +34,13 @@ impl EncodedKeys {
         if let ([key], [data_type]) = (keys, types)
             && int_like(data_type)
         {
-            let widened = compute::cast(key, &DataType::Int64)?;
-            return Ok(EncodedKeys::Int(
-                widened.as_primitive::<Int64Type>().clone(),
-            ));
+            let widened = match super::pooled::widen_to_i64(key.as_ref()) {
+                Some(widened) => widened,
+                None => compute::cast(key, &DataType::Int64)?
+                    .as_primitive::<Int64Type>()
+                    .clone(),
+            };
+            return Ok(EncodedKeys::Int(widened));
         }
         let cast = keys
             .iter()

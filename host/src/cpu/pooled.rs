@@ -9,12 +9,14 @@
 use std::sync::Arc;
 
 use arrow::array::{
-    Array, ArrayRef, ArrowPrimitiveType, AsArray, BooleanArray, BooleanBufferBuilder,
+    Array, ArrayRef, ArrowPrimitiveType, AsArray, BooleanArray, BooleanBufferBuilder, Int64Array,
     PrimitiveArray, RecordBatch, RecordBatchOptions, downcast_primitive,
 };
 use arrow::buffer::{BooleanBuffer, NullBuffer};
 use arrow::compute::{self, FilterBuilder};
-use arrow::datatypes::SchemaRef;
+use arrow::datatypes::{
+    DataType, Int8Type, Int16Type, Int32Type, SchemaRef, UInt8Type, UInt16Type, UInt32Type,
+};
 use arrow::error::ArrowError;
 
 use crate::memory::buffers::{self, PooledVec};
@@ -86,6 +88,28 @@ fn concat_primitive<T: ArrowPrimitiveType>(arrays: &[&dyn Array]) -> ArrayRef {
     });
     let data_type = arrays[0].data_type().clone();
     Arc::new(PrimitiveArray::<T>::new(values.into_scalar_buffer(), nulls).with_data_type(data_type))
+}
+
+/// A narrower integer column as `Int64`, in a reused block (group-by and join keys are widened
+/// so; a cast would fault in a fresh buffer of eight bytes a row). `None` for other types.
+pub fn widen_to_i64(array: &dyn Array) -> Option<Int64Array> {
+    fn widen<T: ArrowPrimitiveType>(array: &dyn Array) -> Int64Array
+    where
+        T::Native: Into<i64>,
+    {
+        let mut values = PooledVec::<i64>::with_capacity(buffers::global(), array.len());
+        values.extend(array.as_primitive::<T>().values().iter().map(|&v| v.into()));
+        Int64Array::new(values.into_scalar_buffer(), array.nulls().cloned())
+    }
+    Some(match array.data_type() {
+        DataType::Int8 => widen::<Int8Type>(array),
+        DataType::Int16 => widen::<Int16Type>(array),
+        DataType::Int32 => widen::<Int32Type>(array),
+        DataType::UInt8 => widen::<UInt8Type>(array),
+        DataType::UInt16 => widen::<UInt16Type>(array),
+        DataType::UInt32 => widen::<UInt32Type>(array),
+        _ => return None,
+    })
 }
 
 /// The rows of `batch` where `mask` is true (null counts as false).
@@ -191,6 +215,21 @@ mod tests {
         assert_eq!(concat(&strings).unwrap().len(), 4);
         let mixed: [&dyn Array; 2] = [&big, &StringArray::from(vec!["a"])];
         assert!(concat(&mixed).is_err());
+    }
+
+    #[test]
+    fn narrow_integers_widen_as_a_cast_would() {
+        let narrow: Vec<ArrayRef> = vec![
+            Arc::new(Int32Array::from(vec![Some(-3), None, Some(i32::MAX)])),
+            Arc::new(arrow::array::UInt8Array::from(vec![0, 255])),
+            Arc::new(arrow::array::Int16Array::from_iter_values(0..20_000)),
+        ];
+        for array in &narrow {
+            let widened = widen_to_i64(array.as_ref()).unwrap();
+            let cast = compute::cast(array, &DataType::Int64).unwrap();
+            assert_eq!(&widened, cast.as_primitive::<arrow::datatypes::Int64Type>());
+        }
+        assert!(widen_to_i64(&StringArray::from(vec!["a"])).is_none());
     }
 
     #[test]
