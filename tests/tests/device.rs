@@ -7,7 +7,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Processes, start_scheduler, wait_for_workers, wrk};
+use common::{Processes, start_scheduler, wait_for_workers, worker_command, wrk};
 
 /// Whether this machine has a usable GPU; with `WRK_REQUIRE_GPU=1` it must have one.
 fn has_gpu() -> bool {
@@ -83,18 +83,7 @@ fn auto_and_cpu_workers_register_with_their_device() {
     let mut processes = Processes(Vec::new());
     let scheduler = start_scheduler(&mut processes, &["--heartbeat-ms", "100"], &[]);
     for (id, device) in [("auto-worker", "auto"), ("cpu-worker", "cpu")] {
-        let child = Command::new(wrk())
-            .args([
-                "worker",
-                "--scheduler",
-                &scheduler.url,
-                "--listen",
-                "127.0.0.1:0",
-                "--id",
-                id,
-                "--device",
-                device,
-            ])
+        let child = worker_command(&scheduler.url, id, &["--device", device])
             .env("WRK_LOG", "info")
             .stderr(std::process::Stdio::null())
             .spawn()

@@ -15,6 +15,51 @@ use common::*;
 
 const COLUMNS: &str = r#"["pickup_longitude", "pickup_latitude", "dropoff_longitude", "dropoff_latitude", "passenger_count"]"#;
 
+/// What both dataset tests start from: the taxi trips and their reference summary, the jobs
+/// persisting and reading them, a component cache path, and a scheduler (heartbeats every
+/// 100 ms) that declares a worker lost after `worker_timeout_secs`.
+struct DatasetCluster {
+    data: tempfile::TempDir,
+    reference: Summary,
+    dir: tempfile::TempDir,
+    persist_job: PathBuf,
+    read_job: PathBuf,
+    cache: String,
+    processes: Processes,
+    scheduler: SchedulerProcess,
+}
+
+impl DatasetCluster {
+    fn start(worker_timeout_secs: &str) -> Self {
+        let data = taxi_dataset(30_000, 6, 5_000);
+        let reference = taxi_reference(data.path());
+        let dir = tempfile::tempdir().unwrap();
+        let (persist_job, read_job) = dataset_jobs(dir.path(), data.path());
+        let cache = dir.path().join("cache").to_string_lossy().into_owned();
+        let mut processes = Processes(Vec::new());
+        let scheduler = start_scheduler(
+            &mut processes,
+            &[
+                "--heartbeat-ms",
+                "100",
+                "--worker-timeout-secs",
+                worker_timeout_secs,
+            ],
+            &[],
+        );
+        DatasetCluster {
+            data,
+            reference,
+            dir,
+            persist_job,
+            read_job,
+            cache,
+            processes,
+            scheduler,
+        }
+    }
+}
+
 /// Writes the job persisting the trips of `data` (six partitions, kept as read) and the job
 /// reading them back into the taxi summary; returns their paths.
 fn dataset_jobs(dir: &Path, data: &Path) -> (PathBuf, PathBuf) {
@@ -150,19 +195,18 @@ fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
 
 #[test]
 fn a_persisted_dataset_is_read_rebalanced_recomputed_and_released() {
-    let data = taxi_dataset(30_000, 6, 5_000);
-    let reference = taxi_reference(data.path());
-    let dir = tempfile::tempdir().unwrap();
-    let (persist_job, read_job) = dataset_jobs(dir.path(), data.path());
-    let cache = dir.path().join("cache").to_string_lossy().into_owned();
-    let worker_args = ["--slots", "2", "--cache-dir", &cache];
-    let mut processes = Processes(Vec::new());
-    let scheduler = start_scheduler(
-        &mut processes,
-        &["--heartbeat-ms", "100", "--worker-timeout-secs", "2"],
-        &[],
-    );
+    let DatasetCluster {
+        data: _data,
+        reference,
+        dir,
+        persist_job,
+        read_job,
+        cache,
+        mut processes,
+        scheduler,
+    } = DatasetCluster::start("2");
     let url = scheduler.url.clone();
+    let worker_args = ["--slots", "2", "--cache-dir", &cache];
     let mut workers: Vec<Child> = (0..2)
         .map(|i| start_worker(&url, &format!("w{i}"), &worker_args))
         .collect();
@@ -270,19 +314,18 @@ fn a_persisted_dataset_is_read_rebalanced_recomputed_and_released() {
 
 #[test]
 fn retired_workers_hand_their_data_over_and_exit_cleanly() {
-    let data = taxi_dataset(30_000, 6, 5_000);
-    let reference = taxi_reference(data.path());
-    let dir = tempfile::tempdir().unwrap();
-    let (persist_job, read_job) = dataset_jobs(dir.path(), data.path());
-    let cache = dir.path().join("cache").to_string_lossy().into_owned();
-    let worker_args = ["--slots", "2", "--cache-dir", &cache];
-    let mut processes = Processes(Vec::new());
-    let scheduler = start_scheduler(
-        &mut processes,
-        &["--heartbeat-ms", "100", "--worker-timeout-secs", "5"],
-        &[],
-    );
+    let DatasetCluster {
+        data: _data,
+        reference,
+        dir,
+        persist_job,
+        read_job,
+        cache,
+        processes: _processes,
+        scheduler,
+    } = DatasetCluster::start("5");
     let url = scheduler.url.clone();
+    let worker_args = ["--slots", "2", "--cache-dir", &cache];
     let mut w0 = start_worker(&url, "w0", &worker_args);
     let mut w1 = start_worker(&url, "w1", &worker_args);
     wait_for_workers(&url, 2, None);
@@ -355,20 +398,7 @@ fn start_watched_worker(
     cache: &str,
     lines: std::sync::mpsc::Sender<(String, String)>,
 ) -> Child {
-    let mut child = Command::new(wrk())
-        .args([
-            "worker",
-            "--scheduler",
-            url,
-            "--listen",
-            "127.0.0.1:0",
-            "--id",
-            id,
-            "--slots",
-            "1",
-            "--cache-dir",
-            cache,
-        ])
+    let mut child = worker_command(url, id, &["--slots", "1", "--cache-dir", cache])
         .env("WRK_LOG", "info,wrk_host::worker=debug")
         .stderr(Stdio::piped())
         .spawn()

@@ -49,17 +49,8 @@ async fn tagged_stages_run_only_on_workers_with_the_tags() {
     processes
         .0
         .push(start_worker(&url, "w-big", &["--tags", "big,fast"]));
-    let mut small = Command::new(wrk());
+    let mut small = worker_command(&url, "w-small", &[]);
     small
-        .args([
-            "worker",
-            "--scheduler",
-            &url,
-            "--listen",
-            "127.0.0.1:0",
-            "--id",
-            "w-small",
-        ])
         .env("WRK_WORKER_TAGS", "small")
         .stderr(std::process::Stdio::null());
     processes.0.push(small.spawn().expect("start wrk worker"));

@@ -68,16 +68,7 @@ async fn tenants_are_isolated_and_unknown_tokens_are_refused() {
         stderr(&refused)
     );
 
-    let worker = Command::new(wrk())
-        .args([
-            "worker",
-            "--scheduler",
-            &url,
-            "--listen",
-            "127.0.0.1:0",
-            "--id",
-            "w1",
-        ])
+    let worker = worker_command(&url, "w1", &[])
         .env("WRK_WORKER_TOKEN", WORKERS)
         .stderr(Stdio::null())
         .spawn()

@@ -244,10 +244,11 @@ impl Drop for Processes {
     }
 }
 
-/// Starts `wrk worker` `id` attached to `url` on a free loopback port, with `extra` arguments and
-/// its log discarded.
-pub fn start_worker(url: &str, id: &str, extra: &[&str]) -> std::process::Child {
-    Command::new(wrk())
+/// `wrk worker` `id` attached to `url` on a free loopback port, with `extra` arguments, for the
+/// caller to set its environment and output before spawning it.
+pub fn worker_command(url: &str, id: &str, extra: &[&str]) -> Command {
+    let mut command = Command::new(wrk());
+    command
         .args([
             "worker",
             "--scheduler",
@@ -257,7 +258,14 @@ pub fn start_worker(url: &str, id: &str, extra: &[&str]) -> std::process::Child 
             "--id",
             id,
         ])
-        .args(extra)
+        .args(extra);
+    command
+}
+
+/// Starts `wrk worker` `id` attached to `url` on a free loopback port, with `extra` arguments and
+/// its log discarded.
+pub fn start_worker(url: &str, id: &str, extra: &[&str]) -> std::process::Child {
+    worker_command(url, id, extra)
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start wrk worker")
