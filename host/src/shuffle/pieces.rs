@@ -360,7 +360,8 @@ pub(super) mod tests {
         (PieceStore::new(store), root)
     }
 
-    fn part(partition: u32) -> PartitionRef {
+    /// Partition `partition` of exchange `by-key` of job-000001.
+    pub(in crate::shuffle) fn part(partition: u32) -> PartitionRef {
         PartitionRef {
             job_id: "job-000001".into(),
             exchange: "by-key".into(),

@@ -441,8 +441,7 @@ impl Transport for TcpSender {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shuffle::pieces::PartitionRef;
-    use crate::shuffle::pieces::tests::{piece_store, values};
+    use crate::shuffle::pieces::tests::{part, piece_store, values};
     use arrow::array::{Int64Array, StringArray};
 
     fn table(keys: &[i64], names: &[&str]) -> Table {
@@ -486,14 +485,6 @@ mod tests {
                 (0, table(&[], &[])),
             ],
             complete: vec![0, 1, 2],
-        }
-    }
-
-    fn part(partition: u32) -> PartitionRef {
-        PartitionRef {
-            job_id: "job-000001".into(),
-            exchange: "by-key".into(),
-            partition,
         }
     }
 

@@ -263,8 +263,7 @@ impl Transport for UcxTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shuffle::pieces::PartitionRef;
-    use crate::shuffle::pieces::tests::{piece_store, values};
+    use crate::shuffle::pieces::tests::{part, piece_store, values};
     use crate::table::Table;
     use arrow::array::{Float64Array, Int64Array};
     use arrow::record_batch::RecordBatch;
@@ -280,14 +279,6 @@ mod tests {
             ])
             .unwrap(),
         )
-    }
-
-    fn part(partition: u32) -> PartitionRef {
-        PartitionRef {
-            job_id: "job-000001".into(),
-            exchange: "by-key".into(),
-            partition,
-        }
     }
 
     #[test]

@@ -63,7 +63,7 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{T, assigned, worker_of};
+    use super::super::tests::{T, assigned, finish, worker_of};
     use super::super::*;
     use wrk_proto::{GpuInfo, Register, Stage};
 
@@ -126,14 +126,7 @@ mod tests {
                 assert_eq!(worker, "gpu");
             }
             seen.push((task.stage_name.clone(), worker.clone()));
-            pending.extend(assigned(&state.task_done(
-                &worker,
-                TaskDone {
-                    task: task.task.clone(),
-                    outputs: Vec::new(),
-                    stats: None,
-                },
-            )));
+            pending.extend(assigned(&finish(&mut state, &task, 1)));
         }
         assert_eq!(seen.len(), 8, "{seen:?}");
         assert!(
@@ -151,14 +144,7 @@ mod tests {
         let mut pending = assigned(&state.dispatch());
         assert_eq!(pending.len(), 2, "the untagged stage runs");
         while let Some(task) = pending.pop() {
-            pending.extend(assigned(&state.task_done(
-                "plain",
-                TaskDone {
-                    task: task.task.clone(),
-                    outputs: Vec::new(),
-                    stats: None,
-                },
-            )));
+            pending.extend(assigned(&finish(&mut state, &task, 1)));
         }
         let waiting = progress.borrow().waiting.clone();
         assert_eq!(
@@ -222,14 +208,7 @@ mod tests {
                 assert_eq!(worker, "b");
                 reducers += 1;
             }
-            pending.extend(assigned(&state.task_done(
-                &worker,
-                TaskDone {
-                    task: task.task.clone(),
-                    outputs: Vec::new(),
-                    stats: None,
-                },
-            )));
+            pending.extend(assigned(&finish(&mut state, &task, 1)));
         }
         assert_eq!(reducers, 4);
         assert_eq!(job_state_of(&state, &id), JobState::Succeeded);
