@@ -164,16 +164,19 @@ fn local_path(uri: &str) -> Result<PathBuf, IoError> {
 /// in path order; for an object store, the objects under the prefix.
 fn list_files(uri: &str) -> Result<Vec<SourceFile>, IoError> {
     if crate::remote::is_remote(uri) {
-        let objects = crate::remote::list(uri)?;
+        let objects = crate::remote::list(uri, &object_cache()?)?;
         if objects.is_empty() {
             return Err(IoError::EmptySource {
                 source_uri: uri.to_string(),
             });
         }
-        return objects
-            .iter()
-            .map(|object| SourceFile::open(object))
-            .collect();
+        return Ok(objects
+            .into_iter()
+            .map(|object| SourceFile {
+                uri: object.url().to_string(),
+                location: Location::Remote(object),
+            })
+            .collect());
     }
     Ok(list_local_files(uri)?
         .into_iter()
@@ -539,7 +542,8 @@ fn read_file(
             .map_err(arrow_err)?
     };
     let schema = batches.first().map_or(empty_schema, |b| b.schema());
-    crate::cpu::pooled::concat_batches(&schema, batches).map_err(arrow_err)
+    let batches: Vec<&RecordBatch> = batches.iter().collect();
+    crate::cpu::pooled::concat_batches(&schema, &batches).map_err(arrow_err)
 }
 
 /// Applies a read's row groups and projection to a reader of either kind, checking both against

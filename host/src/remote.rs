@@ -18,8 +18,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use futures::TryStreamExt;
-use object_store::ObjectStore;
 use object_store::path::Path as ObjectPath;
+use object_store::{ObjectMeta, ObjectStore};
 
 use crate::object_cache::{ObjectCache, ObjectVersion};
 
@@ -85,9 +85,10 @@ fn block_on<T: Send>(future: impl std::future::Future<Output = T> + Send) -> Res
     })
 }
 
-/// The `.parquet` objects under `url` (the object itself when `url` names one), as URLs in
-/// order.
-pub fn list(url: &str) -> Result<Vec<String>, RemoteError> {
+/// The `.parquet` objects under `url` (the object itself when `url` names one), in URL order,
+/// opened for ranged reads through `cache`: the listing gives each one's size and version, so
+/// none needs a `HEAD` of its own.
+pub fn list(url: &str, cache: &ObjectCache) -> Result<Vec<RemoteObject>, RemoteError> {
     let (store, path) = store(url)?;
     let base = url.trim_end_matches('/');
     let root = base
@@ -96,21 +97,25 @@ pub fn list(url: &str) -> Result<Vec<String>, RemoteError> {
         .trim_end_matches('/')
         .to_string();
     let found = block_on(async {
-        if path.as_ref().ends_with(".parquet") && store.head(&path).await.is_ok() {
-            return Ok(vec![path.clone()]);
+        if path.as_ref().ends_with(".parquet")
+            && let Ok(meta) = store.head(&path).await
+        {
+            return Ok(vec![meta]);
         }
-        let objects: Vec<_> = store.list(Some(&path)).try_collect().await?;
-        Ok::<_, object_store::Error>(objects.into_iter().map(|o| o.location).collect())
+        store.list(Some(&path)).try_collect::<Vec<_>>().await
     })
     .map_err(|e| error(url, e))?
     .map_err(|e| error(url, e))?;
-    let mut urls: Vec<String> = found
-        .iter()
-        .filter(|p| p.as_ref().ends_with(".parquet"))
-        .map(|p| format!("{root}/{p}"))
+    let mut objects: Vec<RemoteObject> = found
+        .into_iter()
+        .filter(|meta| meta.location.as_ref().ends_with(".parquet"))
+        .map(|meta| {
+            let url = format!("{root}/{}", meta.location);
+            RemoteObject::new(url, store.clone(), meta, cache.clone())
+        })
         .collect();
-    urls.sort();
-    Ok(urls)
+    objects.sort_by(|a, b| a.url().cmp(b.url()));
+    Ok(objects)
 }
 
 /// One version of an object, read by byte ranges through the local cache.
@@ -128,22 +133,27 @@ impl RemoteObject {
         let meta = block_on(store.head(&path))
             .map_err(|e| error(url, e))?
             .map_err(|e| error(url, e))?;
+        Ok(Self::new(url.to_string(), store, meta, cache))
+    }
+
+    /// The object `meta` describes (from a `HEAD` or a listing), named `url`.
+    fn new(url: String, store: Arc<dyn ObjectStore>, meta: ObjectMeta, cache: ObjectCache) -> Self {
         let tag = meta.e_tag.or(meta.version).unwrap_or_else(|| {
             meta.last_modified
                 .timestamp_nanos_opt()
                 .unwrap_or_default()
                 .to_string()
         });
-        Ok(Self {
+        Self {
             store,
-            path,
+            path: meta.location,
             version: ObjectVersion {
-                url: url.to_string(),
+                url,
                 size: meta.size,
                 tag,
             },
             cache,
-        })
+        }
     }
 
     pub fn url(&self) -> &str {
@@ -359,7 +369,14 @@ mod tests {
                 .unwrap()
                 .contains_key("/out/part-0.parquet")
         );
-        assert_eq!(list(&written).unwrap(), vec![written.clone()]);
+        let cache = tempfile::tempdir().unwrap();
+        let cache = ObjectCache::new(cache.path().to_path_buf(), 1 << 20);
+        let listed: Vec<String> = list(&written, &cache)
+            .unwrap()
+            .iter()
+            .map(|object| object.url().to_string())
+            .collect();
+        assert_eq!(listed, vec![written.clone()]);
 
         let partitions = crate::io::plan_partitions(&written, &[], 1).unwrap();
         assert_eq!(
@@ -405,7 +422,8 @@ mod tests {
 
     #[test]
     fn a_malformed_url_is_named() {
-        let err = list("s3://").unwrap_err().to_string();
+        let cache = ObjectCache::new(std::env::temp_dir(), 0);
+        let err = list("s3://", &cache).err().unwrap().to_string();
         assert!(err.contains("`s3://`"), "{err}");
     }
 }
