@@ -7,6 +7,7 @@
 //! written to a private name and renamed into place, a missing or short entry is a miss, and
 //! eviction deletes whatever is oldest in the directory, whoever wrote it.
 
+use std::io::Read;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::time::SystemTime;
@@ -48,16 +49,21 @@ impl ObjectCache {
             return None;
         }
         let path = self.entry(object, range);
-        let bytes = std::fs::read(&path).ok()?;
+        // Opened for appending too, so the same handle refreshes the entry's age.
+        let mut file = std::fs::File::options()
+            .read(true)
+            .append(true)
+            .open(&path)
+            .ok()?;
+        let mut bytes = Vec::with_capacity((range.end - range.start) as usize);
+        file.read_to_end(&mut bytes).ok()?;
         if bytes.len() as u64 != range.end - range.start {
             // Truncated by a crash or a full disk: drop it and read the object again.
             let _ = std::fs::remove_file(&path);
             return None;
         }
         // Refresh the entry's age for eviction; failing to is harmless.
-        if let Ok(file) = std::fs::File::options().append(true).open(&path) {
-            let _ = file.set_modified(SystemTime::now());
-        }
+        let _ = file.set_modified(SystemTime::now());
         Some(Bytes::from(bytes))
     }
 
