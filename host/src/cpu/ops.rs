@@ -141,14 +141,7 @@ pub fn concat(batches: &[&RecordBatch]) -> Result<RecordBatch, OpError> {
         })
         .collect();
     let schema = Arc::new(Schema::new(nullable));
-    let columns = (0..schema.fields().len())
-        .map(|i| {
-            let arrays: Vec<&dyn Array> = batches.iter().map(|b| b.column(i).as_ref()).collect();
-            super::pooled::concat(&arrays)
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(arrow_err("concat"))?;
-    RecordBatch::try_new(schema, columns).map_err(arrow_err("concat"))
+    super::pooled::concat_batches(&schema, batches).map_err(arrow_err("concat"))
 }
 
 fn describe(schema: &Schema) -> String {

@@ -48,15 +48,14 @@ pub fn concat(arrays: &[&dyn Array]) -> Result<ArrayRef, ArrowError> {
 /// Concatenates batches of `schema` column by column (one batch is returned as it is).
 pub fn concat_batches(
     schema: &SchemaRef,
-    batches: Vec<RecordBatch>,
+    batches: &[&RecordBatch],
 ) -> Result<RecordBatch, ArrowError> {
-    if batches.len() <= 1 {
-        return Ok(batches
-            .into_iter()
-            .next()
-            .unwrap_or_else(|| RecordBatch::new_empty(schema.clone())));
+    match batches {
+        [] => return Ok(RecordBatch::new_empty(schema.clone())),
+        [batch] => return Ok((*batch).clone()),
+        _ => {}
     }
-    let rows = batches.iter().map(RecordBatch::num_rows).sum();
+    let rows = batches.iter().map(|b| b.num_rows()).sum();
     let columns = (0..schema.fields().len())
         .map(|i| {
             let arrays: Vec<&dyn Array> = batches.iter().map(|b| b.column(i).as_ref()).collect();
