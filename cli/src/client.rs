@@ -215,12 +215,12 @@ pub async fn run_job_with_report(
     let mut tables = Vec::with_capacity(result.partitions.len());
     for location in &result.partitions {
         let key = location.key.clone().unwrap_or_default();
-        tables.push(
-            peers
-                .fetch(&location.address, &key, &location.ticket)
-                .await
-                .with_context(|| format!("fetching the results of job `{name}`"))?,
-        );
+        let table = peers
+            .fetch(&location.address, &key, &location.ticket)
+            .await
+            .with_context(|| format!("fetching the results of job `{name}`"))?;
+        // Results keep their value types: dictionary-encoded columns are written out.
+        tables.push(wrk_host::cpu::dictionary::plain_batch(table.batch())?.into());
     }
     client.release_job(job).await?;
     Ok(JobOutcome {

@@ -149,7 +149,7 @@ impl Expr {
         match self {
             Expr::Column(name) => schema
                 .field_with_name(name)
-                .map(|field| field.data_type().clone())
+                .map(|field| crate::cpu::dictionary::logical_type(field.data_type()).clone())
                 .map_err(|_| ExprError::UnknownColumn {
                     column: name.clone(),
                     expr: self.to_string(),

@@ -9,7 +9,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow::datatypes::SchemaRef;
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use arrow::record_batch::RecordBatch;
 use parquet::DecodeResult;
 use parquet::arrow::ArrowWriter;
@@ -18,12 +18,15 @@ use parquet::arrow::arrow_reader::{
     ArrowReaderBuilder, ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
 };
 use parquet::arrow::push_decoder::ParquetPushDecoderBuilder;
-use parquet::basic::{Compression, ZstdLevel};
+use parquet::basic::{Compression, Encoding, ZstdLevel};
 use parquet::errors::ParquetError;
-use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataPushDecoder, ParquetMetaDataReader};
+use parquet::file::metadata::{
+    ColumnChunkMetaData, ParquetMetaData, ParquetMetaDataPushDecoder, ParquetMetaDataReader,
+};
 use parquet::file::properties::WriterProperties;
 use wrk_proto::{FileSlice, ParquetPartition};
 
+use crate::cpu::dictionary;
 use crate::expr::Expr;
 use crate::object_cache::ObjectCache;
 
@@ -489,8 +492,16 @@ fn read_file(
     let parquet_err = |e| file.parquet_error(e);
     let arrow_err =
         |e: arrow::error::ArrowError| parquet_err(ParquetError::ArrowError(e.to_string()));
-    let footer =
+    let plain =
         ArrowReaderMetadata::try_new(footer, ArrowReaderOptions::new()).map_err(parquet_err)?;
+    let footer = match dictionary_hint(&plain, columns, row_groups) {
+        Some(hint) => ArrowReaderMetadata::try_new(
+            plain.metadata().clone(),
+            ArrowReaderOptions::new().with_schema(hint),
+        )
+        .map_err(parquet_err)?,
+        None => plain,
+    };
     // The schema of a read that selects no row, in the order asked.
     let empty_schema = if columns.is_empty() {
         footer.schema().clone()
@@ -544,6 +555,66 @@ fn read_file(
     let schema = batches.first().map_or(empty_schema, |b| b.schema());
     let batches: Vec<&RecordBatch> = batches.iter().collect();
     crate::cpu::pooled::concat_batches(&schema, &batches).map_err(arrow_err)
+}
+
+/// The schema to read a file with when some of the string `columns` it reads (all when empty)
+/// are dictionary encoded on every data page of the chosen `row_groups`: those columns typed
+/// as [`dictionary::string_dictionary`], so the decoder keeps the keys instead of writing out
+/// every row's bytes. `None` when there are none (a chunk that fell back to plain pages would
+/// make the decoder rebuild a dictionary by hashing every value).
+fn dictionary_hint(
+    footer: &ArrowReaderMetadata,
+    columns: &[String],
+    row_groups: Option<&[u32]>,
+) -> Option<SchemaRef> {
+    let metadata = footer.metadata();
+    let all_groups: Vec<u32>;
+    let groups = match row_groups {
+        Some(groups) => groups,
+        None => {
+            all_groups = (0..metadata.num_row_groups() as u32).collect();
+            &all_groups
+        }
+    };
+    let dictionary_encoded = |chunk: &ColumnChunkMetaData| {
+        chunk.dictionary_page_offset().is_some()
+            && chunk.page_encoding_stats_mask().is_some_and(|mask| {
+                mask.is_only(Encoding::RLE_DICTIONARY) || mask.is_only(Encoding::PLAIN_DICTIONARY)
+            })
+    };
+    let schema = footer.schema();
+    let leaves = metadata.file_metadata().schema_descr();
+    let mut fields: Vec<Arc<Field>> = schema.fields().iter().cloned().collect();
+    let mut any = false;
+    for (leaf, descriptor) in leaves.columns().iter().enumerate() {
+        // Top-level string columns only: a nested leaf is not one Arrow field.
+        let [name] = descriptor.path().parts() else {
+            continue;
+        };
+        let Ok(index) = schema.index_of(name) else {
+            continue;
+        };
+        let wanted = columns.is_empty() || columns.contains(name);
+        if wanted
+            && *fields[index].data_type() == DataType::Utf8
+            && !groups.is_empty()
+            && groups.iter().all(|&g| {
+                metadata
+                    .row_groups()
+                    .get(g as usize)
+                    .is_some_and(|group| dictionary_encoded(group.column(leaf)))
+            })
+        {
+            fields[index] = Arc::new(
+                fields[index]
+                    .as_ref()
+                    .clone()
+                    .with_data_type(dictionary::string_dictionary()),
+            );
+            any = true;
+        }
+    }
+    any.then(|| Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone())))
 }
 
 /// Applies a read's row groups and projection to a reader of either kind, checking both against
@@ -643,6 +714,12 @@ pub fn write_file(
         path: path.to_path_buf(),
         detail,
     };
+    // Outputs keep their value types: dictionary-encoded columns are written out.
+    let batches = batches
+        .iter()
+        .map(dictionary::plain_batch)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| write_err(e.to_string()))?;
     let Some(first) = batches.first() else {
         return Err(write_err("no data to write".into()));
     };
@@ -654,7 +731,7 @@ pub fn write_file(
     let file = File::create(&partial).map_err(|e| write_err(e.to_string()))?;
     let mut writer = ArrowWriter::try_new(file, first.schema(), Some(props))
         .map_err(|e| write_err(e.to_string()))?;
-    for batch in batches {
+    for batch in &batches {
         writer.write(batch).map_err(|e| write_err(e.to_string()))?;
     }
     writer.close().map_err(|e| write_err(e.to_string()))?;
@@ -683,6 +760,76 @@ mod tests {
             ],
         )
         .unwrap()
+    }
+
+    /// A file of `id` and a `shift` string column (repeated values and nulls), its pages
+    /// dictionary encoded or not.
+    fn write_shifts(path: &Path, dictionary_pages: bool) {
+        let shifts = ["day", "night", "dusk"];
+        let batch = RecordBatch::try_from_iter([
+            (
+                "id",
+                Arc::new(Int64Array::from_iter_values(0..300)) as arrow::array::ArrayRef,
+            ),
+            (
+                "shift",
+                Arc::new(arrow::array::StringArray::from_iter((0..300).map(|i| {
+                    (i % 7 != 0).then_some(shifts[i % 3])
+                }))),
+            ),
+        ])
+        .unwrap();
+        let props = WriterProperties::builder()
+            .set_dictionary_enabled(dictionary_pages)
+            .set_max_row_group_row_count(Some(100))
+            .build();
+        let mut writer = ArrowWriter::try_new(File::create(path).unwrap(), batch.schema(), Some(props))
+            .unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+    }
+
+    #[test]
+    fn dictionary_pages_are_read_as_dictionaries_and_written_out_as_strings() {
+        let dir = tempfile::tempdir().unwrap();
+        let (coded, plain) = (dir.path().join("a.parquet"), dir.path().join("b.parquet"));
+        write_shifts(&coded, true);
+        write_shifts(&plain, false);
+        let read = |path: &Path, predicate: Option<&Expr>| {
+            read_source(&path.to_string_lossy(), &["shift".into()], None, predicate).unwrap()
+        };
+        let from_coded = read(&coded, None);
+        assert_eq!(
+            from_coded.schema().field(0).data_type(),
+            &dictionary::string_dictionary()
+        );
+        let from_plain = read(&plain, None);
+        assert_eq!(from_plain.schema().field(0).data_type(), &DataType::Utf8);
+        assert_eq!(dictionary::plain_batch(&from_coded).unwrap(), from_plain);
+        // Both files as one source: the encodings differ, so the column is written out.
+        let both = read(dir.path(), None);
+        assert_eq!(both.schema().field(0).data_type(), &DataType::Utf8);
+        assert_eq!(both.num_rows(), 600);
+        assert_eq!(both.column(0).null_count(), 2 * 43);
+        // A predicate on the encoded column.
+        let day = Expr::Binary {
+            op: crate::guest_api::wit::BinaryOp::Eq,
+            lhs: Arc::new(Expr::Column("shift".into())),
+            rhs: Arc::new(Expr::Literal(crate::expr::Literal::Utf8("day".into()))),
+        };
+        assert_eq!(read(&coded, Some(&day)).num_rows(), read(&plain, Some(&day)).num_rows());
+        // Written back, the column is a string column again.
+        let out = dir.path().join("out.parquet");
+        write_file(&out, &[from_coded], 100).unwrap();
+        let footer = ParquetMetaDataReader::new()
+            .parse_and_finish(&File::open(&out).unwrap())
+            .unwrap();
+        let schema = parquet::arrow::parquet_to_arrow_schema(
+            footer.file_metadata().schema_descr(),
+            footer.file_metadata().key_value_metadata(),
+        )
+        .unwrap();
+        assert_eq!(schema.field(0).data_type(), &DataType::Utf8);
     }
 
     #[test]

@@ -1006,9 +1006,8 @@ async fn load_broadcast(
         if tables.len() == 1 {
             return Ok(first.clone().into_shared());
         }
-        let schema = first.schema();
-        let batches: Vec<_> = tables.iter().map(|t| t.batch().clone()).collect();
-        arrow::compute::concat_batches(&schema, &batches)
+        let batches: Vec<&arrow::record_batch::RecordBatch> = tables.iter().map(Table::batch).collect();
+        crate::cpu::ops::concat(&batches)
             .map(|batch| Table::new(batch).into_shared())
             .map_err(|e| {
                 Failure::fatal(format!(

@@ -4,6 +4,7 @@
 //! cause is reported before any work runs. Literals stay scalars (Arrow `Datum`s) until an
 //! operator needs them as arrays.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use arrow::array::{
@@ -76,16 +77,30 @@ impl Value {
 /// Evaluates `expr` to a column as long as `batch`: in one fused pass where the expression is
 /// numeric or boolean ([`super::fused`]), with one Arrow kernel per node otherwise.
 pub fn evaluate(expr: &Expr, batch: &RecordBatch) -> Result<ArrayRef, ExprError> {
-    match super::fused::try_evaluate(expr, batch) {
+    let batch = decoded_for(expr, batch)?;
+    match super::fused::try_evaluate(expr, &batch) {
         Some(result) => result,
-        None => evaluate_with_kernels(expr, batch),
+        None => evaluate_with_kernels(expr, &batch),
     }
+}
+
+/// `batch` with the dictionary-encoded columns that `expr` reads decoded: expressions compute
+/// on values (borrowed when there are none).
+fn decoded_for<'a>(expr: &Expr, batch: &'a RecordBatch) -> Result<Cow<'a, RecordBatch>, ExprError> {
+    let read = expr.columns();
+    super::dictionary::plain_columns(batch, |name| read.iter().any(|c| c == name)).map_err(|e| {
+        ExprError::Evaluation {
+            expr: expr.to_string(),
+            detail: e.to_string(),
+        }
+    })
 }
 
 /// Evaluates `expr` with one Arrow kernel per node (the reference the fused path is tested
 /// against, and the path for strings, dates and casts the fused program does not cover).
 pub fn evaluate_with_kernels(expr: &Expr, batch: &RecordBatch) -> Result<ArrayRef, ExprError> {
     expr.data_type(&batch.schema())?;
+    let batch = &*decoded_for(expr, batch)?;
     let value = eval(expr, batch).map_err(|e| ExprError::Evaluation {
         expr: expr.to_string(),
         detail: e.to_string(),

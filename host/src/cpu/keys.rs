@@ -5,11 +5,15 @@
 //! stable partition hash is defined here too: it decides which reducer a key goes to, so it must
 //! give the same answer on every worker, backend and version.
 
-use arrow::array::{Array, ArrayRef, AsArray, GenericStringArray, OffsetSizeTrait};
+use arrow::array::{
+    Array, ArrayRef, AsArray, DictionaryArray, GenericStringArray, OffsetSizeTrait,
+};
 use arrow::compute;
-use arrow::datatypes::{DataType, Int64Type};
+use arrow::datatypes::{DataType, Int32Type, Int64Type};
 use arrow::error::ArrowError;
 use arrow::row::{RowConverter, Rows, SortField};
+
+use super::dictionary::logical_type;
 use hashbrown::HashMap;
 use hashbrown::hash_map::Entry;
 
@@ -24,7 +28,10 @@ pub(crate) enum EncodedKeys {
 impl EncodedKeys {
     /// Encodes one table's key columns.
     pub(crate) fn encode(keys: &[ArrayRef]) -> Result<Self, ArrowError> {
-        let types: Vec<DataType> = keys.iter().map(|k| k.data_type().clone()).collect();
+        let types: Vec<DataType> = keys
+            .iter()
+            .map(|k| logical_type(k.data_type()).clone())
+            .collect();
         Self::encode_as(keys, &types)
     }
 
@@ -72,8 +79,9 @@ fn int_like(data_type: &DataType) -> bool {
     )
 }
 
-/// The type two key columns are compared as.
+/// The type two key columns are compared as (a dictionary-encoded column as its values).
 fn key_type(left: &DataType, right: &DataType) -> Option<DataType> {
+    let (left, right) = (logical_type(left), logical_type(right));
     if left == right {
         return Some(left.clone());
     }
@@ -125,6 +133,11 @@ pub(crate) fn group_ids(keys: &[ArrayRef]) -> Result<(Vec<u32>, Vec<u32>), Arrow
         }
         if let Some(strings) = key.as_string_opt::<i64>() {
             return Ok(string_group_ids(strings));
+        }
+        if let Some(dictionary) = key.as_dictionary_opt::<Int32Type>()
+            && let Some(strings) = dictionary.values().as_string_opt::<i32>()
+        {
+            return Ok(dictionary_group_ids(dictionary, strings));
         }
     }
     let encoded = EncodedKeys::encode(keys)?;
@@ -204,6 +217,36 @@ fn string_group_ids<O: OffsetSizeTrait>(strings: &GenericStringArray<O>) -> (Vec
     (group_of_row, first_rows)
 }
 
+/// [`group_ids`] of one dictionary-encoded string column: each distinct dictionary value is
+/// hashed once, then every row maps through its key (no row's bytes are read).
+fn dictionary_group_ids(
+    dictionary: &DictionaryArray<Int32Type>,
+    values: &GenericStringArray<i32>,
+) -> (Vec<u32>, Vec<u32>) {
+    // Equal values may sit under several keys: each key maps to the first of its value's keys.
+    let (value_ids, _) = string_group_ids(values);
+    let mut group_of_value = vec![u32::MAX; values.len()];
+    let mut null_group = u32::MAX;
+    let mut group_of_row = Vec::with_capacity(dictionary.len());
+    let mut first_rows: Vec<u32> = Vec::new();
+    let keys = dictionary.keys();
+    for (row, &key) in keys.values().iter().enumerate() {
+        // A null key, or a key to a null value, is the null group.
+        let slot = match usize::try_from(key) {
+            Ok(key) if keys.is_valid(row) && values.is_valid(key) => {
+                &mut group_of_value[value_ids[key] as usize]
+            }
+            _ => &mut null_group,
+        };
+        if *slot == u32::MAX {
+            first_rows.push(row as u32);
+            *slot = (first_rows.len() - 1) as u32;
+        }
+        group_of_row.push(*slot);
+    }
+    (group_of_row, first_rows)
+}
+
 /// The lowest value and the width of `values`' range, when it is narrow enough for a table
 /// indexed by value (at most 65,536 wide, and no wider than the column is long).
 fn small_range(values: &arrow::array::Int64Array) -> Option<(i64, usize)> {
@@ -241,6 +284,8 @@ pub(crate) fn partition_hashes(keys: &[ArrayRef]) -> Result<Vec<u64>, ArrowError
     let mut hashes = vec![0u64; rows];
     for key in keys {
         let combine = |h: &mut u64, value: u64| *h = mix(h.rotate_left(5) ^ value);
+        // A dictionary-encoded key hashes as its values.
+        let key = &super::dictionary::plain(key)?;
         let data_type = key.data_type();
         if data_type.is_integer() || matches!(data_type, DataType::Boolean) {
             let (as_int, unsigned) = if data_type.is_unsigned_integer() {

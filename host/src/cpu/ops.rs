@@ -105,13 +105,23 @@ pub fn with_columns(
 
 /// Concatenates batches whose columns have the same names and types.
 pub fn concat(batches: &[&RecordBatch]) -> Result<RecordBatch, OpError> {
-    let Some(first) = batches.first() else {
+    if batches.is_empty() {
         return Err(OpError::Invalid {
             operator: "concat",
             detail: "no tables to concatenate".into(),
         });
+    }
+    // A column dictionary encoded in some tables and plain in others is decoded in all.
+    let unified = super::dictionary::unify(batches).map_err(arrow_err("concat"))?;
+    let unified_refs: Vec<&RecordBatch>;
+    let batches = match &unified {
+        Some(unified) => {
+            unified_refs = unified.iter().collect();
+            unified_refs.as_slice()
+        }
+        None => batches,
     };
-    let schema = first.schema();
+    let schema = batches[0].schema();
     for (i, batch) in batches.iter().enumerate().skip(1) {
         let other = batch.schema();
         let same = schema.fields().len() == other.fields().len()
@@ -230,11 +240,16 @@ pub fn group_by(
         .map(|&i| schema.field(i).clone())
         .collect();
     let first_rows = UInt32Array::from(first_rows);
+    // One row per group: a dictionary-encoded key is written out (its dictionary may be far
+    // larger than the groups).
     let mut columns: Vec<ArrayRef> = key_arrays
         .iter()
-        .map(|a| compute::take(a, &first_rows, None))
+        .map(|a| compute::take(a, &first_rows, None).and_then(|k| super::dictionary::plain(&k)))
         .collect::<Result<_, _>>()
         .map_err(arrow_err(OP))?;
+    for (field, column) in fields.iter_mut().zip(&columns) {
+        *field = field.clone().with_data_type(column.data_type().clone());
+    }
 
     for aggregate in aggregates {
         let values = batch.column(column_index(batch, OP, &aggregate.column)?);
@@ -299,8 +314,17 @@ fn whole_column(
     values: &ArrayRef,
     function: AggregateFn,
 ) -> Result<Option<ArrayRef>, arrow::error::ArrowError> {
+    let decoded;
+    let values = match function {
+        // Counting reads only the validity, which a dictionary's keys carry.
+        AggregateFn::Count => values,
+        _ => {
+            decoded = super::dictionary::plain(values)?;
+            &decoded
+        }
+    };
     let data_type = values.data_type();
-    let valid = (values.len() - values.null_count()) as i64;
+    let valid = (values.len() - values.logical_null_count()) as i64;
     Ok(Some(match function {
         AggregateFn::Count => Arc::new(Int64Array::from(vec![valid])),
         AggregateFn::Sum | AggregateFn::Mean if data_type.is_floating() => {
@@ -328,18 +352,30 @@ fn aggregate_column(
     groups: usize,
     function: AggregateFn,
 ) -> Result<ArrayRef, String> {
+    let decoded;
+    let values = match function {
+        // Counting reads only the validity, which a dictionary's keys carry.
+        AggregateFn::Count => values,
+        _ => {
+            decoded = super::dictionary::plain(values).map_err(|e| e.to_string())?;
+            &decoded
+        }
+    };
     let data_type = values.data_type();
     match function {
         AggregateFn::Count => {
             let mut counts = vec![0i64; groups];
-            if values.null_count() == 0 {
-                for &g in group_of_row {
-                    counts[g as usize] += 1;
-                }
-            } else {
-                for (row, &g) in group_of_row.iter().enumerate() {
-                    if values.is_valid(row) {
+            match values.logical_nulls().filter(|n| n.null_count() > 0) {
+                None => {
+                    for &g in group_of_row {
                         counts[g as usize] += 1;
+                    }
+                }
+                Some(nulls) => {
+                    for (row, &g) in group_of_row.iter().enumerate() {
+                        if nulls.is_valid(row) {
+                            counts[g as usize] += 1;
+                        }
                     }
                 }
             }

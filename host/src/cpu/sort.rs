@@ -39,12 +39,14 @@ fn ordered(
             detail: "at least one sort key is needed".into(),
         });
     }
+    let arrow = |source| OpError::Arrow { operator, source };
     let columns = keys
         .iter()
         .map(|key| {
             let index = column_index(batch, operator, &key.column)?;
             Ok(SortColumn {
-                values: batch.column(index).clone(),
+                // Ordered by value, not by dictionary key.
+                values: super::dictionary::plain(batch.column(index)).map_err(arrow)?,
                 options: Some(SortOptions {
                     descending: key.descending,
                     nulls_first: key.nulls_first,
@@ -52,7 +54,6 @@ fn ordered(
             })
         })
         .collect::<Result<Vec<_>, OpError>>()?;
-    let arrow = |source| OpError::Arrow { operator, source };
     let indices = match columns.as_slice() {
         [single] => compute::sort_to_indices(&single.values, single.options, limit),
         _ => compute::lexsort_to_indices(&columns, limit),

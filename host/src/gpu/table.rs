@@ -211,6 +211,11 @@ fn upload_column(
 
 /// Copies a host table to the device: one counted transfer.
 pub fn upload(runtime: &GpuRuntime, batch: &RecordBatch) -> Result<DeviceTable, TableError> {
+    // Device string columns hold their bytes: a dictionary-encoded column is written out first.
+    let batch = &crate::cpu::dictionary::plain_batch(batch).map_err(|e| TableError::Rebuild {
+        column: "a dictionary-encoded column".into(),
+        detail: e.to_string(),
+    })?;
     let schema = batch.schema();
     let mut columns = Vec::with_capacity(batch.num_columns());
     let mut copied = 0;

@@ -19,7 +19,7 @@ use super::wit::{
     Scalar, SortKey, UnaryOp, Values,
 };
 use super::{ExprHandle, TaskState, error};
-use crate::cpu::{eval, join, ops, partition, sort};
+use crate::cpu::{dictionary, eval, join, ops, partition, sort};
 use crate::expr::{Expr, ExprError, Literal};
 use crate::table::{Column, Table, decode_ipc, encode_ipc};
 
@@ -42,6 +42,7 @@ pub(crate) fn wit_type(data_type: &ArrowType) -> DataType {
         ArrowType::Float64 => DataType::Float64,
         ArrowType::Date32 | ArrowType::Date64 => DataType::Date32,
         ArrowType::Timestamp(_, _) => DataType::TimestampUs,
+        ArrowType::Dictionary(_, values) => wit_type(values),
         _ => DataType::Utf8,
     }
 }
@@ -193,6 +194,7 @@ impl HostExpr for TaskState {
 
 /// Copies an Arrow array into guest values.
 fn to_values(array: &ArrayRef) -> Result<ColumnValues, String> {
+    let array = &dictionary::plain(array).map_err(|e| e.to_string())?;
     let validity = array
         .nulls()
         .map(|nulls| nulls.iter().collect::<Vec<bool>>());
@@ -667,7 +669,8 @@ impl HostTable for TaskState {
 
     fn to_ipc(&mut self, self_: Resource<Table>) -> wasmtime::Result<Result<Vec<u8>, Error>> {
         let table = self.host_table(&self_)?;
-        match encode_ipc(table.batch()) {
+        // The guest sees value types: dictionary-encoded columns are written out.
+        match dictionary::plain_batch(table.batch()).and_then(|batch| encode_ipc(&batch)) {
             Ok(bytes) => {
                 self.copies.into_guest_bytes += bytes.len() as u64;
                 Ok(Ok(bytes))
