@@ -26,7 +26,7 @@ use parquet::file::metadata::{
 use parquet::file::properties::WriterProperties;
 use wrk_proto::{FileSlice, ParquetPartition};
 
-use crate::cpu::dictionary;
+use crate::cpu::{dictionary, pooled};
 use crate::expr::Expr;
 use crate::object_cache::ObjectCache;
 
@@ -509,52 +509,98 @@ fn read_file(
         let indices = column_indices(file, footer.schema(), columns)?;
         Arc::new(footer.schema().project(&indices).map_err(arrow_err)?)
     };
-    let batches = match &file.location {
+    let metadata = footer.metadata().clone();
+    let expected_rows = match row_groups {
+        Some(groups) => groups
+            .iter()
+            .filter_map(|&g| metadata.row_groups().get(g as usize))
+            .map(|g| g.num_rows().max(0) as usize)
+            .sum(),
+        None => metadata.file_metadata().num_rows().max(0) as usize,
+    };
+    let mut decoded = Decoded {
+        columns,
+        expected_rows,
+        first: None,
+        appender: None,
+    };
+    match &file.location {
         Location::Local(path) => {
             let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(open(path)?, footer);
             let reader = configure(file, builder, columns, row_groups)?
                 .build()
                 .map_err(parquet_err)?;
-            reader.collect::<Result<Vec<_>, _>>().map_err(arrow_err)?
+            for batch in reader {
+                decoded.push(batch.map_err(arrow_err)?).map_err(arrow_err)?;
+            }
         }
         Location::Remote(object) => {
             let builder = ParquetPushDecoderBuilder::new_with_metadata(footer);
             let mut decoder = configure(file, builder, columns, row_groups)?
                 .build()
                 .map_err(parquet_err)?;
-            let mut batches = Vec::new();
             loop {
                 match decoder.try_decode().map_err(parquet_err)? {
                     DecodeResult::NeedsData(ranges) => {
                         let data = object.read_ranges(&ranges)?;
                         decoder.push_ranges(ranges, data).map_err(parquet_err)?;
                     }
-                    DecodeResult::Data(batch) => batches.push(batch),
+                    DecodeResult::Data(batch) => decoded.push(batch).map_err(arrow_err)?,
                     DecodeResult::Finished => break,
                 }
             }
-            batches
         }
-    };
-    let batches = if columns.is_empty() {
-        batches
-    } else {
+    }
+    decoded.finish(empty_schema).map_err(arrow_err)
+}
+
+/// A read's batches as the decoder yields them: each is appended to the partition's columns
+/// and dropped at once (see [`pooled::BatchAppender`]); a read of a single batch keeps it as it
+/// is.
+struct Decoded<'a> {
+    /// The columns asked for, in the order asked (all, in file order, when empty).
+    columns: &'a [String],
+    expected_rows: usize,
+    first: Option<RecordBatch>,
+    appender: Option<pooled::BatchAppender>,
+}
+
+impl Decoded<'_> {
+    fn push(&mut self, batch: RecordBatch) -> Result<(), arrow::error::ArrowError> {
         // Projection keeps file order: restore the order the caller asked for.
-        batches
-            .into_iter()
-            .map(|b| {
-                let order = columns
-                    .iter()
-                    .map(|c| b.schema().index_of(c))
-                    .collect::<Result<Vec<_>, _>>()?;
-                b.project(&order)
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(arrow_err)?
-    };
-    let schema = batches.first().map_or(empty_schema, |b| b.schema());
-    let batches: Vec<&RecordBatch> = batches.iter().collect();
-    crate::cpu::pooled::concat_batches(&schema, &batches).map_err(arrow_err)
+        let batch = if self.columns.is_empty() {
+            batch
+        } else {
+            let order = self
+                .columns
+                .iter()
+                .map(|c| batch.schema().index_of(c))
+                .collect::<Result<Vec<_>, _>>()?;
+            batch.project(&order)?
+        };
+        if let Some(appender) = &mut self.appender {
+            return appender.push(&batch);
+        }
+        match self.first.take() {
+            None => self.first = Some(batch),
+            Some(first) => {
+                let mut appender = pooled::BatchAppender::new(first.schema(), self.expected_rows);
+                appender.push(&first)?;
+                appender.push(&batch)?;
+                self.appender = Some(appender);
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows read, as one batch (`empty_schema` when there were none).
+    fn finish(self, empty_schema: SchemaRef) -> Result<RecordBatch, arrow::error::ArrowError> {
+        match (self.appender, self.first) {
+            (Some(appender), _) => appender.finish(),
+            (None, Some(first)) => Ok(first),
+            (None, None) => Ok(RecordBatch::new_empty(empty_schema)),
+        }
+    }
 }
 
 /// The schema to read a file with when some of the string `columns` it reads (all when empty)
@@ -773,9 +819,9 @@ mod tests {
             ),
             (
                 "shift",
-                Arc::new(arrow::array::StringArray::from_iter((0..300).map(|i| {
-                    (i % 7 != 0).then_some(shifts[i % 3])
-                }))),
+                Arc::new(arrow::array::StringArray::from_iter(
+                    (0..300).map(|i| (i % 7 != 0).then_some(shifts[i % 3])),
+                )),
             ),
         ])
         .unwrap();
@@ -783,8 +829,8 @@ mod tests {
             .set_dictionary_enabled(dictionary_pages)
             .set_max_row_group_row_count(Some(100))
             .build();
-        let mut writer = ArrowWriter::try_new(File::create(path).unwrap(), batch.schema(), Some(props))
-            .unwrap();
+        let mut writer =
+            ArrowWriter::try_new(File::create(path).unwrap(), batch.schema(), Some(props)).unwrap();
         writer.write(&batch).unwrap();
         writer.close().unwrap();
     }
@@ -817,7 +863,10 @@ mod tests {
             lhs: Arc::new(Expr::Column("shift".into())),
             rhs: Arc::new(Expr::Literal(crate::expr::Literal::Utf8("day".into()))),
         };
-        assert_eq!(read(&coded, Some(&day)).num_rows(), read(&plain, Some(&day)).num_rows());
+        assert_eq!(
+            read(&coded, Some(&day)).num_rows(),
+            read(&plain, Some(&day)).num_rows()
+        );
         // Written back, the column is a string column again.
         let out = dir.path().join("out.parquet");
         write_file(&out, &[from_coded], 100).unwrap();

@@ -1006,7 +1006,8 @@ async fn load_broadcast(
         if tables.len() == 1 {
             return Ok(first.clone().into_shared());
         }
-        let batches: Vec<&arrow::record_batch::RecordBatch> = tables.iter().map(Table::batch).collect();
+        let batches: Vec<&arrow::record_batch::RecordBatch> =
+            tables.iter().map(Table::batch).collect();
         crate::cpu::ops::concat(&batches)
             .map(|batch| Table::new(batch).into_shared())
             .map_err(|e| {

@@ -170,7 +170,10 @@ pub(crate) mod tests {
         let batch = |shift: ArrayRef| {
             let n = shift.len() as i64;
             RecordBatch::try_from_iter([
-                ("id", Arc::new(Int64Array::from_iter_values(0..n)) as ArrayRef),
+                (
+                    "id",
+                    Arc::new(Int64Array::from_iter_values(0..n)) as ArrayRef,
+                ),
                 ("shift", shift),
             ])
             .unwrap()

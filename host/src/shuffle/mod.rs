@@ -501,13 +501,13 @@ impl TaskShuffle {
             detail,
         };
         // Mappers that read a string column dictionary encoded and plain agree once decoded.
-        let batches: Vec<&arrow::record_batch::RecordBatch> = pieces.iter().map(Table::batch).collect();
-        let pieces = match crate::cpu::dictionary::unify(&batches)
-            .map_err(|e| pieces_err(e.to_string()))?
-        {
-            Some(unified) => unified.into_iter().map(Table::new).collect(),
-            None => pieces,
-        };
+        let batches: Vec<&arrow::record_batch::RecordBatch> =
+            pieces.iter().map(Table::batch).collect();
+        let pieces =
+            match crate::cpu::dictionary::unify(&batches).map_err(|e| pieces_err(e.to_string()))? {
+                Some(unified) => unified.into_iter().map(Table::new).collect(),
+                None => pieces,
+            };
         let Some(first) = pieces.first() else {
             return Err(pieces_err(format!(
                 "no mapper sent anything to partition {}: every mapper must call `send` (an empty table still carries the schema)",
