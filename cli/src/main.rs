@@ -8,15 +8,22 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// mimalloc's `mi_option_purge_delay` (its `mi_option_e` in `include/mimalloc.h`, v2 and v3).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
-/// Makes mimalloc give freed memory back to the OS at once rather than after its purge delay
-/// (10 ms, times 10 for large blocks): a worker's resident memory must follow its pool, which
-/// frees partitions as it spills them (measured: 100 MiB more at peak with the delay, in
-/// `tests/tests/memory.rs`). Operators that allocate the same buffers over and over get them
-/// from the buffer pool instead (`wrk_host::memory::buffers`).
-fn return_freed_memory_at_once() {
+/// How long mimalloc keeps freed memory before giving it back to the OS, in milliseconds.
+///
+/// Its default (10 ms, times 10 for large blocks) let a worker's resident memory run ahead of
+/// its pool, which frees partitions as it spills them (measured: 100 MiB more at peak, in
+/// `tests/tests/memory.rs`). Giving memory back at once (0) made every buffer the Parquet
+/// decoder allocates and frees per page (the compressed page, its decompressed copy, the
+/// dictionary) fault its pages in again: a fifth of the group-by query. One millisecond keeps
+/// those buffers within a page's decoding and still returns a spilled partition's memory
+/// at once on the scale of a task.
+const PURGE_DELAY_MS: std::os::raw::c_long = 1;
+
+/// Sets [`PURGE_DELAY_MS`].
+fn return_freed_memory_promptly() {
     // SAFETY: sets a plain integer option of the allocator, from `main` before any other
     // thread exists.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) }
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) }
 }
 
 use std::net::SocketAddr;
@@ -450,7 +457,7 @@ fn init_tracing(default: &str) {
 }
 
 fn main() -> Result<()> {
-    return_freed_memory_at_once();
+    return_freed_memory_promptly();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
