@@ -1,14 +1,17 @@
 //! Shuffle throughput between two processes: the bytes per second a mapper's worker pushes to a
 //! reducer's worker through the shuffle transports (Arrow IPC pieces encoded, sent, decoded and
 //! stored, each delivery acknowledged), next to raw loopback TCP moving the same bytes in the
-//! same chunk sizes, and `ucx_perftest` (when installed) for UCX, in one run.
+//! same chunk sizes, and `ucx_perftest` (when installed) for UCX, in one run. A second raw TCP
+//! figure has the receiver keep what it reads, as the shuffle's receiver keeps its pieces: it
+//! reads into [`MAPPERS`] buffers of a piece each in turn, where the plain raw receiver reads
+//! every chunk into the same (cache-warm) buffer.
 //!
 //! ```text
 //! cargo run --release -p wrk-host --features ucx --example shuffle_bench -- [GIB] [PIECE_MIB] [tcp|ucx|all]
 //! ```
 //!
-//! The process re-runs itself as the receiving side (`receive tcp|ucx|raw`), which prints its
-//! address on stdout and serves until its stdin closes.
+//! The process re-runs itself as the receiving side (`receive tcp|ucx|raw|raw-kept PIECE_BYTES`),
+//! which prints its address on stdout and serves until its stdin closes.
 
 use std::io::{BufRead, Write};
 use std::process::{Child, Command, Stdio};
@@ -49,7 +52,37 @@ fn piece_store(pool: u64, spill: &std::path::Path) -> Result<Arc<PieceStore>> {
     )))))
 }
 
-async fn receive(kind: &str) -> Result<()> {
+/// Reads a raw stream (a `u64` length, then the bytes) and answers one byte. `kept`: the piece
+/// size, the bytes go into [`MAPPERS`] buffers of that size in turn (each touched beforehand);
+/// otherwise every read goes into the start of one 4 MiB buffer.
+async fn read_raw(mut stream: TcpStream, kept: Option<usize>) {
+    let (size, count) = match kept {
+        Some(piece) => (piece, MAPPERS),
+        None => (4 << 20, 1),
+    };
+    let mut buffers: Vec<Vec<u8>> = (0..count).map(|_| vec![1u8; size]).collect();
+    let Ok(expected) = stream.read_u64().await else {
+        return;
+    };
+    let (mut total, mut current, mut filled) = (0u64, 0usize, 0usize);
+    while total < expected {
+        let start = if kept.is_some() { filled } else { 0 };
+        match stream.read(&mut buffers[current][start..]).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                total += n as u64;
+                filled += n;
+                if filled == size {
+                    filled = 0;
+                    current = (current + 1) % count;
+                }
+            }
+        }
+    }
+    let _ = stream.write_all(&[1]).await;
+}
+
+async fn receive(kind: &str, piece_bytes: Option<usize>) -> Result<()> {
     let spill = tempfile::tempdir()?;
     // Pieces of replaced attempts leave the pool at once: a few GiB is plenty.
     let store = piece_store(4 << 30, spill.path())?;
@@ -66,25 +99,16 @@ async fn receive(kind: &str) -> Result<()> {
             });
             tokio::spawn(receiver.serve(listener));
         }
-        "raw" => {
+        "raw" | "raw-kept" => {
+            let kept = match kind {
+                "raw-kept" => Some(piece_bytes.ok_or("raw-kept needs the piece size")?),
+                _ => None,
+            };
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             writeln!(out, "{}", listener.local_addr()?)?;
             tokio::spawn(async move {
-                while let Ok((mut stream, _)) = listener.accept().await {
-                    tokio::spawn(async move {
-                        let mut buffer = vec![0u8; 4 << 20];
-                        let mut total = 0u64;
-                        let Ok(expected) = stream.read_u64().await else {
-                            return;
-                        };
-                        while total < expected {
-                            match stream.read(&mut buffer).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => total += n as u64,
-                            }
-                        }
-                        let _ = stream.write_all(&[1]).await;
-                    });
+                while let Ok((stream, _)) = listener.accept().await {
+                    tokio::spawn(read_raw(stream, kept));
                 }
             });
         }
@@ -106,9 +130,9 @@ async fn receive(kind: &str) -> Result<()> {
     Ok(())
 }
 
-fn spawn_receiver(kind: &str) -> Result<(Child, String)> {
+fn spawn_receiver(kind: &str, piece_bytes: usize) -> Result<(Child, String)> {
     let mut child = Command::new(std::env::current_exe()?)
-        .args(["receive", kind])
+        .args(["receive", kind, &piece_bytes.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
@@ -232,8 +256,9 @@ async fn tcp_and_raw(
     piece_bytes: usize,
     piece_mib: usize,
 ) -> Result<()> {
-    let (mut raw_child, raw_address) = spawn_receiver("raw")?;
-    let (mut tcp_child, tcp_address) = spawn_receiver("tcp")?;
+    let (raw_child, raw_address) = spawn_receiver("raw", piece_bytes)?;
+    let (kept_child, kept_address) = spawn_receiver("raw-kept", piece_bytes)?;
+    let (tcp_child, tcp_address) = spawn_receiver("tcp", piece_bytes)?;
     let peer = ShufflePeer {
         worker_id: "receiver".into(),
         tcp_address,
@@ -241,25 +266,32 @@ async fn tcp_and_raw(
     };
     // Alternated, best of each: a busy machine slows whichever runs at a bad moment.
     let sender: Arc<dyn Transport> = Arc::new(TcpSender::new(None));
-    let (mut raw_rate, mut tcp_rate) = (0f64, 0f64);
+    let (mut raw_rate, mut kept_rate, mut tcp_rate) = (0f64, 0f64, 0f64);
     for round in 0..ROUNDS {
         let (bytes, seconds) =
             push(sender.clone(), peer.clone(), table.clone(), count, round).await?;
         let raw_seconds = raw(&raw_address, bytes, piece_bytes).await?;
+        let kept_seconds = raw(&kept_address, bytes, piece_bytes).await?;
         raw_rate = raw_rate.max(bytes as f64 / raw_seconds / 1e9);
+        kept_rate = kept_rate.max(bytes as f64 / kept_seconds / 1e9);
         tcp_rate = tcp_rate.max(bytes as f64 / seconds / 1e9);
     }
     println!("| path | GB/s | vs raw |");
     println!("|---|---:|---:|");
     println!("| raw loopback TCP (same bytes, {piece_mib} MiB writes) | {raw_rate:.2} | 1.00x |");
     println!(
-        "| shuffle over TCP (encode, send, decode, store, ack) | {tcp_rate:.2} | {:.2}x |",
-        tcp_rate / raw_rate
+        "| raw loopback TCP, the receiver keeping the last {MAPPERS} pieces' bytes | {kept_rate:.2} | {:.2}x |",
+        kept_rate / raw_rate
     );
-    drop(raw_child.stdin.take());
-    drop(tcp_child.stdin.take());
-    raw_child.wait()?;
-    tcp_child.wait()?;
+    println!(
+        "| shuffle over TCP (encode, send, decode, store, ack) | {tcp_rate:.2} | {:.2}x ({:.2}x of the keeping raw receiver) |",
+        tcp_rate / raw_rate,
+        tcp_rate / kept_rate
+    );
+    for mut child in [raw_child, kept_child, tcp_child] {
+        drop(child.stdin.take());
+        child.wait()?;
+    }
     Ok(())
 }
 
@@ -275,7 +307,7 @@ async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
     }
     #[cfg(feature = "ucx")]
     if only != "tcp" {
-        let (mut ucx_child, address) = spawn_receiver("ucx")?;
+        let (mut ucx_child, address) = spawn_receiver("ucx", piece_bytes)?;
         let spill = tempfile::tempdir()?;
         let store = piece_store(1 << 30, spill.path())?;
         let sender = wrk_host::shuffle::ucx::UcxTransport::start(store, metrics(), None)?;
@@ -316,7 +348,12 @@ async fn bench(gib: f64, piece_mib: usize, only: &str) -> Result<()> {
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("receive") {
-        return receive(args.get(1).map(String::as_str).unwrap_or("tcp")).await;
+        let piece_bytes = args.get(2).map(|a| a.parse()).transpose()?;
+        return receive(
+            args.get(1).map(String::as_str).unwrap_or("tcp"),
+            piece_bytes,
+        )
+        .await;
     }
     let gib: f64 = args.first().map(|a| a.parse()).transpose()?.unwrap_or(2.0);
     let piece_mib: usize = args.get(1).map(|a| a.parse()).transpose()?.unwrap_or(4);
