@@ -15,8 +15,12 @@ use arrow::compute;
 use arrow::datatypes::{DataType, Float64Type, Int64Type};
 use common::*;
 
+/// A result file's rows, string columns as plain strings (the reader keeps dictionary-encoded
+/// pages as Arrow dictionaries).
 fn read(path: &Path) -> RecordBatch {
-    wrk_host::io::read_source(&path.to_string_lossy(), &[], None, None).expect("read Parquet")
+    let batch =
+        wrk_host::io::read_source(&path.to_string_lossy(), &[], None, None).expect("read Parquet");
+    wrk_host::cpu::dictionary::plain_batch(&batch).expect("decode dictionaries")
 }
 
 fn f64s(batch: &RecordBatch, name: &str) -> Vec<f64> {
