@@ -60,8 +60,16 @@ pub const QUEUED_PER_SLOT: u32 = 1;
 /// a queued task little. Idle workers still steal what is queued.
 pub const QUEUED_PER_SLOT_SHORT: u32 = 3;
 
-/// A worker's recent tasks are short when their moving average is below this.
+/// Tasks queued per slot on a worker whose recent tasks were very short
+/// ([`VERY_SHORT_TASK_SECONDS`]): at most a few milliseconds of work wait per slot, and a slot
+/// rarely runs dry (and sleeps, to be woken by the next assignment) while its reports and the
+/// next assignments cross. With three, no-op tasks left a slot idle every fourth task.
+pub const QUEUED_PER_SLOT_VERY_SHORT: u32 = 8;
+
+/// A worker's recent tasks are short when their moving average is below this...
 const SHORT_TASK_SECONDS: f64 = 0.005;
+/// ...and very short below this.
+const VERY_SHORT_TASK_SECONDS: f64 = 0.0005;
 
 /// The weight of the latest task in a worker's moving average of task durations: one long
 /// task makes the average long at once, about thirty short ones make it short again.
@@ -242,6 +250,7 @@ impl Worker {
     /// are short.
     fn capacity(&self) -> u32 {
         let queued = match self.task_seconds {
+            Some(seconds) if seconds < VERY_SHORT_TASK_SECONDS => QUEUED_PER_SLOT_VERY_SHORT,
             Some(seconds) if seconds < SHORT_TASK_SECONDS => QUEUED_PER_SLOT_SHORT,
             _ => QUEUED_PER_SLOT,
         };
@@ -2234,16 +2243,31 @@ mod tests {
         state.submit(T, one_stage(100));
         let first = assigned(&state.dispatch());
         assert_eq!(first.len(), 4, "two slots and one queued task each");
-        // A task of 100 us: three queued per slot, so room for five more beside the other three.
-        let more = assigned(&finish_after(&mut state, &first[0], 100));
+        // A task of 1 ms: three queued per slot, so room for five more beside the other three.
+        let more = assigned(&finish_after(&mut state, &first[0], 1000));
         assert_eq!(more.len(), 5, "eight held in all");
         // A task of one second: back to one queued per slot; seven still held, none added.
         assert!(assigned(&finish_after(&mut state, &first[1], 1_000_000)).is_empty());
         // Until the held tasks drop below four, finishing short ones adds nothing.
         for task in [&first[2], &first[3], &more[0]] {
-            assert!(assigned(&finish_after(&mut state, task, 100)).is_empty());
+            assert!(assigned(&finish_after(&mut state, task, 1000)).is_empty());
         }
-        assert_eq!(assigned(&finish_after(&mut state, &more[1], 100)).len(), 1);
+        assert_eq!(assigned(&finish_after(&mut state, &more[1], 1000)).len(), 1);
+    }
+
+    #[test]
+    fn a_worker_whose_tasks_are_very_short_holds_eight_queued_per_slot() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 2);
+        state.submit(T, one_stage(100));
+        let first = assigned(&state.dispatch());
+        assert_eq!(first.len(), 4);
+        // A task of 100 us: eight queued per slot, room for fifteen more beside the other three.
+        let more = assigned(&finish_after(&mut state, &first[0], 100));
+        assert_eq!(more.len(), 15, "eighteen held in all");
+        // One long task: back to one queued per slot at once.
+        assert!(assigned(&finish_after(&mut state, &first[1], 1_000_000)).is_empty());
+        assert_eq!(state.workers["a"].capacity(), 4);
     }
 
     /// The assignments of `out`, per message: (worker, task indices).

@@ -15,7 +15,11 @@ pub struct SlotQueue<T> {
 struct State<T> {
     items: VecDeque<T>,
     closed: bool,
-    /// Threads waiting in `pop`: a push wakes only as many as wait and it has items for.
+    /// Threads asleep in `pop` that no push has woken yet: a push wakes only as many as it has
+    /// items for, and takes them off this count itself, so that pushes in quick succession do
+    /// not wake the same sleepers again (a wake-up is a system call even when nobody sleeps).
+    /// A thread woken spuriously counts again when it goes back to sleep: the count may exceed
+    /// the sleepers (a wasted wake-up later), never fall short of them.
     waiting: usize,
 }
 
@@ -49,8 +53,8 @@ impl<T> SlotQueue<T> {
         }
         let before = state.items.len();
         state.items.extend(items);
-        // A wake-up is a system call even when nobody sleeps: only as many as needed.
         let wake = state.waiting.min(state.items.len() - before);
+        state.waiting -= wake;
         drop(state);
         for _ in 0..wake {
             self.ready.notify_one();
@@ -74,7 +78,6 @@ impl<T> SlotQueue<T> {
                 .ready
                 .wait(state)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            state.waiting -= 1;
         }
     }
 
@@ -165,6 +168,35 @@ mod tests {
         got.sort();
         assert_eq!(got, vec![Some(1), Some(2), Some(3)]);
         queue.close();
+    }
+
+    #[test]
+    fn a_push_wakes_each_sleeper_once_however_soon_the_next_push_comes() {
+        let queue = Arc::new(SlotQueue::<u32>::default());
+        let (taken, took) = std::sync::mpsc::channel();
+        for _ in 0..2 {
+            let (queue, taken) = (queue.clone(), taken.clone());
+            std::thread::spawn(move || taken.send(queue.pop()));
+        }
+        while queue.lock().waiting < 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Each push takes the sleeper it wakes off the count at once, before that one runs:
+        // the next push wakes the other sleeper, not the same one again.
+        assert!(queue.push([1]));
+        assert_eq!(queue.lock().waiting, 1);
+        assert!(queue.push([2]));
+        assert_eq!(queue.lock().waiting, 0);
+        assert!(queue.push([3]), "nobody left to wake: it waits for a slot");
+        let mut got: Vec<_> = (0..2)
+            .map(|_| {
+                took.recv_timeout(Duration::from_secs(5))
+                    .expect("a slot woke")
+            })
+            .collect();
+        got.sort();
+        assert_eq!(got, vec![Some(1), Some(2)]);
+        assert_eq!(queue.pop(), Some(3));
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! Work stealing: tasks queued on a busy worker move to a worker with an idle slot.
 //!
-//! A worker holds up to one queued task per slot beyond those it runs, so a freed slot starts
-//! its next task without a round trip. Placement already prefers a slot free to run in over a
-//! queue (see [`State::dispatch`]); but work finishes unevenly, and a worker can sit idle while
-//! another still has tasks queued that it has not started. Then the scheduler steals, the way
-//! Dask's work stealing does, with a confirmation rather than a blind cancel:
+//! A worker holds a few queued tasks per slot beyond those it runs (more while its tasks are
+//! short, see `Worker::capacity`), so a freed slot starts its next task without a round trip.
+//! Placement already prefers a slot free to run in over a queue (see [`State::dispatch`]); but
+//! work finishes unevenly, and a worker can sit idle while another still has tasks queued that
+//! it has not started. Then the scheduler steals, the way Dask's work stealing does, with a
+//! confirmation rather than a blind cancel:
 //!
 //! 1. When a worker has a slot free to run in and no ready task it can take, the scheduler asks
 //!    an overloaded worker (one with more tasks assigned than slots) to give back its most
