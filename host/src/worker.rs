@@ -741,6 +741,23 @@ async fn prepare(
     })
 }
 
+/// Runs `future` to its end on a slot's thread. It is polled once in the runtime's context
+/// first, which is all most preparations need (the component cached, no inputs to fetch), without
+/// entering the runtime the way `block_on` does (a lock shared by the slots to seed the entered
+/// runtime's random numbers, the blocking region); a future not done then goes to `block_on`,
+/// whose polls pass it a real waker.
+fn complete<F: Future>(runtime: &tokio::runtime::Handle, future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    {
+        let _context = runtime.enter();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if let std::task::Poll::Ready(output) = future.as_mut().poll(&mut cx) {
+            return output;
+        }
+    }
+    runtime.block_on(future)
+}
+
 /// Prepares and runs one task attempt on the calling slot's thread.
 fn execute(
     shared: &Arc<Shared>,
@@ -755,7 +772,7 @@ fn execute(
         memory,
         inputs,
         shuffle,
-    } = runtime.block_on(prepare(shared, &task, &id))?;
+    } = complete(runtime, prepare(shared, &task, &id))?;
     let prepare = started.elapsed();
     let input_rows: u64 = inputs.iter().map(|t| t.num_rows() as u64).sum();
     let grants =
@@ -1020,4 +1037,36 @@ async fn load_broadcast(
     })
     .await
     .cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::complete;
+
+    #[test]
+    fn futures_complete_on_a_plain_thread_whether_ready_at_once_or_not() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        // Ready at its first poll, which runs in the runtime's context.
+        let workers = complete(runtime.handle(), async {
+            tokio::runtime::Handle::current().metrics().num_workers()
+        });
+        assert_eq!(workers, 1);
+        // Pending at its first poll (a timer of the runtime): `block_on` finishes it.
+        let (sender, receiver) = tokio::sync::oneshot::channel();
+        runtime.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let _ = sender.send(7);
+        });
+        let value = complete(runtime.handle(), async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            receiver.await
+        });
+        assert_eq!(value, Ok(7));
+    }
 }
