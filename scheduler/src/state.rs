@@ -351,6 +351,9 @@ pub struct State {
     clock: Clock,
     /// Every worker that ever registered, numbered for the records.
     worker_names: WorkerNames,
+    /// The assignments of the dispatch under way, kept between dispatches (empty) so that
+    /// each does not allocate them again.
+    assigned: Assignments,
     /// Recent task executions and transfers, for the dashboard.
     recent: Recent,
     /// Finished jobs still holding their records, oldest first.
@@ -1016,7 +1019,7 @@ impl State {
     /// (`state/steal.rs`).
     pub fn dispatch(&mut self) -> Outgoing {
         let mut out = Vec::new();
-        let mut assigned = Assignments::default();
+        let mut assigned = std::mem::take(&mut self.assigned);
         // Tasks whose workers are busy wait for them, behind the tasks that can run now.
         let mut set_aside = Vec::new();
         while set_aside.len() < MAX_SET_ASIDE && self.has_free_worker() {
@@ -1117,6 +1120,7 @@ impl State {
             self.requeue_if_free(&worker_id);
         }
         assigned.flush_into(&mut out);
+        self.assigned = assigned;
         for queued in set_aside.into_iter().rev() {
             self.requeue_front(queued);
         }
@@ -1431,24 +1435,16 @@ impl State {
 
     /// [`State::tasks_ended`] for one task that succeeded.
     pub fn task_done(&mut self, worker_id: &str, done: TaskDone) -> Outgoing {
-        self.tasks_ended(
-            worker_id,
-            TaskReports {
-                done: vec![done],
-                failed: Vec::new(),
-            },
-        )
+        let mut out = self.done(worker_id, done);
+        out.extend(self.dispatch());
+        out
     }
 
     /// [`State::tasks_ended`] for one task that failed.
     pub fn task_failed(&mut self, worker_id: &str, failed: TaskFailed) -> Outgoing {
-        self.tasks_ended(
-            worker_id,
-            TaskReports {
-                done: Vec::new(),
-                failed: vec![failed],
-            },
-        )
+        let mut out = self.failed(worker_id, failed);
+        out.extend(self.dispatch());
+        out
     }
 
     /// Records a task attempt that succeeded (dispatching is the caller's).
