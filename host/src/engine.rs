@@ -24,7 +24,7 @@ use crate::guest_api::{CopyStats, TaskInfo, TaskState, WIT_PACKAGE, WIT_VERSION}
 use crate::limits::{MemoryLimitExceeded, MemoryLimiter};
 use crate::store::TaskMemory;
 use crate::table::Table;
-use prometheus::IntCounterVec;
+use prometheus::{IntCounter, IntCounterVec};
 
 /// How often the epoch advances; task deadlines are counted in these ticks.
 const EPOCH_TICK: Duration = Duration::from_millis(10);
@@ -182,6 +182,8 @@ pub struct TaskEngine {
     config: EngineConfig,
     /// Components prepared, by where they came from: `memory`, `disk` or `compiled`.
     cache_outcomes: IntCounterVec,
+    /// Its `memory` series, counted at every task (resolved once).
+    memory_hits: IntCounter,
     _ticker: EpochTicker,
 }
 
@@ -251,6 +253,7 @@ impl TaskEngine {
             }
             None => None,
         };
+        let cache_outcomes = crate::metrics::compile_cache_counter();
         Ok(TaskEngine {
             _ticker: EpochTicker::start(engine.clone()),
             engine,
@@ -258,7 +261,8 @@ impl TaskEngine {
             compiled: Mutex::new(HashMap::new()),
             cache_dir,
             config,
-            cache_outcomes: crate::metrics::compile_cache_counter(),
+            memory_hits: cache_outcomes.with_label_values(&["memory"]),
+            cache_outcomes,
         })
     }
 
@@ -275,7 +279,7 @@ impl TaskEngine {
     pub fn cached(&self, hash: &str) -> Option<Arc<CompiledTask>> {
         let found = self.compiled.lock().ok()?.get(hash).cloned();
         if found.is_some() {
-            self.count_cache("memory");
+            self.memory_hits.inc();
         }
         found
     }

@@ -16,10 +16,14 @@ pub struct WorkerMetrics {
     registry: Registry,
     /// The name of every metric family, whether it has series yet or not.
     names: Vec<String>,
-    pub tasks_finished: IntCounterVec,
+    /// `tasks_finished_total` by outcome, each series resolved once (not per task).
+    pub tasks_succeeded: IntCounter,
+    pub tasks_failed: IntCounter,
     pub task_duration: Histogram,
     pub instantiate_duration: Histogram,
-    pub guest_copy_bytes: IntCounterVec,
+    /// `guest_copy_bytes_total` by direction, each series resolved once.
+    pub copied_into_guest: IntCounter,
+    pub copied_out_of_guest: IntCounter,
     pub transfer_bytes: IntCounterVec,
     pub shuffle_bytes: IntCounterVec,
     pub running_tasks: IntGauge,
@@ -121,12 +125,21 @@ impl WorkerMetrics {
                 Histogram::with_opts(opts).unwrap_or_else(|e| panic!("{e}")),
             )
         };
+        let tasks_finished = counter_vec(
+            "tasks_finished_total",
+            "Task attempts that ended, by outcome",
+            &["outcome"],
+        );
+        let guest_copy_bytes = counter_vec(
+            "guest_copy_bytes_total",
+            "Bytes tasks explicitly copied between host tables and guest memory, by direction",
+            &["direction"],
+        );
         WorkerMetrics {
-            tasks_finished: counter_vec(
-                "tasks_finished_total",
-                "Task attempts that ended, by outcome",
-                &["outcome"],
-            ),
+            tasks_succeeded: tasks_finished.with_label_values(&["succeeded"]),
+            tasks_failed: tasks_finished.with_label_values(&["failed"]),
+            copied_into_guest: guest_copy_bytes.with_label_values(&["into_guest"]),
+            copied_out_of_guest: guest_copy_bytes.with_label_values(&["out_of_guest"]),
             task_duration: histogram(
                 "task_duration_seconds",
                 "Wall time of task attempts, inputs to outputs",
@@ -136,11 +149,6 @@ impl WorkerMetrics {
                 "instantiate_duration_seconds",
                 "Time to instantiate a compiled component for one task",
                 0.000_005,
-            ),
-            guest_copy_bytes: counter_vec(
-                "guest_copy_bytes_total",
-                "Bytes tasks explicitly copied between host tables and guest memory, by direction",
-                &["direction"],
             ),
             transfer_bytes: counter_vec(
                 "transfer_bytes_total",

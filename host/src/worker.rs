@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint, Server};
 use wrk_proto::auth::{AuthChannel, BearerToken};
 use wrk_proto::scheduler_client::SchedulerClient;
@@ -20,8 +19,8 @@ use wrk_proto::worker_message::Kind as ToScheduler;
 use wrk_proto::worker_server::WorkerServer;
 use wrk_proto::{
     AssignTask, FetchPartitions, GetModuleRequest, Heartbeat, MAX_MESSAGE_BYTES, OutputMeta,
-    PartitionsFetched, Register, RetireRequest, Retracted, TaskDone, TaskFailed, TaskId, TaskStats,
-    WorkerMessage,
+    PartitionsFetched, Register, RetireRequest, Retracted, TaskDone, TaskFailed, TaskId,
+    TaskReports, TaskStats, WorkerMessage,
 };
 
 use crate::device::{DeviceConfig, DeviceError, WorkerDevice};
@@ -36,8 +35,10 @@ use crate::store::{PartitionId, PartitionStore, PoolError, StoreStats, TaskMemor
 use crate::table::Table;
 use crate::transfer::{DataService, PeerClient};
 
+mod outbox;
 mod slots;
 
+use outbox::Coalesced;
 use slots::SlotQueue;
 
 #[derive(Debug, Clone)]
@@ -309,7 +310,7 @@ pub async fn run_retirable(
         detail,
     };
     let mut inbound = scheduler
-        .attach(ReceiverStream::new(outgoing))
+        .attach(Coalesced::new(outgoing))
         .await
         .map_err(|status| WorkerError::Rejected {
             address: config.scheduler.clone(),
@@ -391,11 +392,14 @@ pub async fn run_retirable(
             }
             message = inbound.message() => match message {
                 Ok(Some(message)) => match message.kind {
-                    Some(FromScheduler::Assign(task)) => {
+                    Some(FromScheduler::Assign(assign)) => {
                         // Registered here, in message order, so a cancel that follows the
                         // assignment always finds the task.
-                        let cancel = shared.register(&task);
-                        shared.queue.push(Assigned { task, cancel });
+                        let assigned: Vec<Assigned> = assign.tasks.into_iter().map(|task| {
+                            let cancel = shared.register(&task);
+                            Assigned { task, cancel }
+                        }).collect();
+                        shared.queue.push(assigned);
                     }
                     Some(FromScheduler::Release(release)) => {
                         shared.cancel_where(|(job, _, _)| *job == release.job_id);
@@ -642,17 +646,13 @@ fn run_assigned(shared: &Arc<Shared>, runtime: &tokio::runtime::Handle, assigned
     }
     shared.metrics.running_tasks.dec();
     shared.running.fetch_sub(1, Ordering::Relaxed);
-    let outcome_label = if outcome.is_ok() {
-        "succeeded"
+    if outcome.is_ok() {
+        shared.metrics.tasks_succeeded.inc();
     } else {
-        "failed"
-    };
-    shared
-        .metrics
-        .tasks_finished
-        .with_label_values(&[outcome_label])
-        .inc();
-    let message = match outcome {
+        shared.metrics.tasks_failed.inc();
+    }
+    let mut report = TaskReports::default();
+    match outcome {
         Ok((outputs, stats)) => {
             let metas = outputs
                 .iter()
@@ -670,26 +670,30 @@ fn run_assigned(shared: &Arc<Shared>, runtime: &tokio::runtime::Handle, assigned
                 };
                 shared.store.insert(partition, table);
             }
-            ToScheduler::Done(TaskDone {
+            report.done.push(TaskDone {
                 task: Some(id),
                 outputs: metas,
                 stats: Some(stats),
-            })
+            });
         }
         Err(failure) => {
             tracing::warn!(worker = %shared.worker_id, task = %id, "task failed: {}", failure.message);
-            ToScheduler::Failed(TaskFailed {
+            report.failed.push(TaskFailed {
                 task: Some(id),
                 error: failure.message,
                 retriable: failure.retriable,
                 duration_us: started.elapsed().as_micros() as u64,
-            })
+            });
         }
+    }
+    // Reports waiting in the outbox go out together (see `outbox`). A slot's thread is no
+    // async context: it waits for room in the outbox only when it is full.
+    let message = WorkerMessage {
+        kind: Some(ToScheduler::Reports(report)),
     };
-    // A slot's thread is no async context: it may wait for room in the outbox.
-    let _ = shared.outbox.blocking_send(WorkerMessage {
-        kind: Some(message),
-    });
+    if let Err(mpsc::error::TrySendError::Full(message)) = shared.outbox.try_send(message) {
+        let _ = shared.outbox.blocking_send(message);
+    }
 }
 
 /// What a task needs before its guest runs: the compiled component, its memory account, its
@@ -737,6 +741,23 @@ async fn prepare(
     })
 }
 
+/// Runs `future` to its end on a slot's thread. It is polled once in the runtime's context
+/// first, which is all most preparations need (the component cached, no inputs to fetch), without
+/// entering the runtime the way `block_on` does (a lock shared by the slots to seed the entered
+/// runtime's random numbers, the blocking region); a future not done then goes to `block_on`,
+/// whose polls pass it a real waker.
+fn complete<F: Future>(runtime: &tokio::runtime::Handle, future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    {
+        let _context = runtime.enter();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if let std::task::Poll::Ready(output) = future.as_mut().poll(&mut cx) {
+            return output;
+        }
+    }
+    runtime.block_on(future)
+}
+
 /// Prepares and runs one task attempt on the calling slot's thread.
 fn execute(
     shared: &Arc<Shared>,
@@ -751,7 +772,7 @@ fn execute(
         memory,
         inputs,
         shuffle,
-    } = runtime.block_on(prepare(shared, &task, &id))?;
+    } = complete(runtime, prepare(shared, &task, &id))?;
     let prepare = started.elapsed();
     let input_rows: u64 = inputs.iter().map(|t| t.num_rows() as u64).sum();
     let grants =
@@ -814,15 +835,12 @@ fn execute(
     metrics
         .instantiate_duration
         .observe(run.instantiate.as_secs_f64());
-    for (direction, bytes) in [
-        ("into_guest", run.copies.into_guest_bytes),
-        ("out_of_guest", run.copies.out_of_guest_bytes),
-    ] {
-        metrics
-            .guest_copy_bytes
-            .with_label_values(&[direction])
-            .inc_by(bytes);
-    }
+    metrics
+        .copied_into_guest
+        .inc_by(run.copies.into_guest_bytes);
+    metrics
+        .copied_out_of_guest
+        .inc_by(run.copies.out_of_guest_bytes);
     let stats = TaskStats {
         duration_us: started.elapsed().as_micros() as u64,
         prepare_us: (prepare + run.instantiate).as_micros() as u64,
@@ -1019,4 +1037,36 @@ async fn load_broadcast(
     })
     .await
     .cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::complete;
+
+    #[test]
+    fn futures_complete_on_a_plain_thread_whether_ready_at_once_or_not() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        // Ready at its first poll, which runs in the runtime's context.
+        let workers = complete(runtime.handle(), async {
+            tokio::runtime::Handle::current().metrics().num_workers()
+        });
+        assert_eq!(workers, 1);
+        // Pending at its first poll (a timer of the runtime): `block_on` finishes it.
+        let (sender, receiver) = tokio::sync::oneshot::channel();
+        runtime.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let _ = sender.send(7);
+        });
+        let value = complete(runtime.handle(), async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            receiver.await
+        });
+        assert_eq!(value, Ok(7));
+    }
 }

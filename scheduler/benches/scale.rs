@@ -102,8 +102,9 @@ fn main() {
     let queue_assignments = |out: wrk_scheduler::state::Outgoing, in_flight: &mut VecDeque<_>| {
         for (_, message) in out {
             if let Some(Kind::Assign(assign)) = message.kind {
-                let task = assign.task.expect("assigned task has an id");
-                in_flight.push_back(task);
+                for task in assign.tasks {
+                    in_flight.push_back(task.task.expect("assigned task has an id"));
+                }
             }
         }
     };

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -16,8 +16,8 @@ use wrk_proto::scheduler_server::{Scheduler, SchedulerServer};
 use wrk_proto::worker_message::Kind as FromWorker;
 use wrk_proto::{
     ClusterStatus, DatasetList, DatasetRef, Empty, GetModuleRequest, JobProgress, JobRef,
-    JobResult, JobState, JobTimeline, MAX_MESSAGE_BYTES, ModuleBytes, RebalanceResponse,
-    Registered, RetireResponse, ScalingAdvice, ScalingRequest, SchedulerMessage, SubmitJobRequest,
+    JobResult, JobTimeline, MAX_MESSAGE_BYTES, ModuleBytes, RebalanceResponse, Registered,
+    RetireResponse, ScalingAdvice, ScalingRequest, SchedulerMessage, SubmitJobRequest,
     SubmitJobResponse, WorkerMessage, WorkerRef,
 };
 
@@ -25,6 +25,7 @@ use crate::graph;
 use crate::state::{Outgoing, State, StateError, WORKER_LEFT};
 use crate::tenants::Tenants;
 
+mod progress;
 mod reload;
 
 /// How soon the backlog should drain when a scaling request names no target.
@@ -258,9 +259,8 @@ impl Scheduler for SchedulerService {
                                 state.heartbeat(&worker_id, &beat);
                                 Vec::new()
                             }
-                            Some(FromWorker::Done(done)) => state.task_done(&worker_id, done),
-                            Some(FromWorker::Failed(failed)) => {
-                                state.task_failed(&worker_id, failed)
+                            Some(FromWorker::Reports(reports)) => {
+                                state.tasks_ended(&worker_id, reports)
                             }
                             Some(FromWorker::Fetched(fetched)) => {
                                 state.partitions_fetched(&worker_id, fetched)
@@ -360,22 +360,7 @@ impl Scheduler for SchedulerService {
             .state()
             .watch(&tenant, &request.into_inner().job_id)
             .map_err(status)?;
-        let stream =
-            // The current state first, then every change, ending after a final state.
-            futures::stream::unfold(
-                (receiver, true, false),
-                |(mut receiver, first, finished)| async move {
-                    if finished || (!first && receiver.changed().await.is_err()) {
-                        return None;
-                    }
-                    let progress = receiver.borrow_and_update().clone();
-                    let terminal = matches!(
-                        progress.state(),
-                        JobState::Succeeded | JobState::Failed | JobState::Cancelled
-                    );
-                    Some((Ok(progress), (receiver, false, terminal)))
-                },
-            );
+        let stream = progress::updates(receiver).map(Ok);
         Ok(Response::new(Box::pin(stream)))
     }
 

@@ -19,13 +19,14 @@ use wrk_proto::stage_input::Pattern;
 use wrk_proto::{
     AssignTask, CancelTask, ClusterStatus, JobProgress, JobResult, JobSpec, JobState, JobSummary,
     OutputMeta, PartitionKey, PartitionLocation, ReleaseJob, ReleaseTasks, ScalingAdvice,
-    SchedulerMessage, StageProgress, TaskDone, TaskFailed, TaskId, TaskInput, WorkerStatus,
-    task_input,
+    SchedulerMessage, StageProgress, TaskDone, TaskFailed, TaskId, TaskInput, TaskReports,
+    WorkerStatus, task_input,
 };
 
 use crate::tags::{self, TagError};
 use crate::tenants::TenantPolicy;
 
+mod assignments;
 mod datasets;
 mod moves;
 mod queue;
@@ -35,6 +36,7 @@ mod shuffle;
 mod steal;
 mod views;
 
+use assignments::Assignments;
 pub use datasets::Read;
 use queue::ReadyQueue;
 
@@ -58,8 +60,16 @@ pub const QUEUED_PER_SLOT: u32 = 1;
 /// a queued task little. Idle workers still steal what is queued.
 pub const QUEUED_PER_SLOT_SHORT: u32 = 3;
 
-/// A worker's recent tasks are short when their moving average is below this.
+/// Tasks queued per slot on a worker whose recent tasks were very short
+/// ([`VERY_SHORT_TASK_SECONDS`]): at most a few milliseconds of work wait per slot, and a slot
+/// rarely runs dry (and sleeps, to be woken by the next assignment) while its reports and the
+/// next assignments cross. With three, no-op tasks left a slot idle every fourth task.
+pub const QUEUED_PER_SLOT_VERY_SHORT: u32 = 8;
+
+/// A worker's recent tasks are short when their moving average is below this...
 const SHORT_TASK_SECONDS: f64 = 0.005;
+/// ...and very short below this.
+const VERY_SHORT_TASK_SECONDS: f64 = 0.0005;
 
 /// The weight of the latest task in a worker's moving average of task durations: one long
 /// task makes the average long at once, about thirty short ones make it short again.
@@ -159,6 +169,9 @@ struct Job {
     remaining: usize,
     /// Per stage: total seconds and count of finished tasks, to estimate the backlog.
     durations: Vec<(f64, u32)>,
+    /// Per stage: its series of the task duration histogram and of the succeeded tasks'
+    /// counter, resolved once (not at every task).
+    stage_metrics: Vec<(prometheus::Histogram, prometheus::IntCounter)>,
     /// The client fetched the results (or there are none to fetch): workers dropped the job's
     /// data and the scheduler its tasks.
     released: bool,
@@ -237,6 +250,7 @@ impl Worker {
     /// are short.
     fn capacity(&self) -> u32 {
         let queued = match self.task_seconds {
+            Some(seconds) if seconds < VERY_SHORT_TASK_SECONDS => QUEUED_PER_SLOT_VERY_SHORT,
             Some(seconds) if seconds < SHORT_TASK_SECONDS => QUEUED_PER_SLOT_SHORT,
             _ => QUEUED_PER_SLOT,
         };
@@ -337,6 +351,9 @@ pub struct State {
     clock: Clock,
     /// Every worker that ever registered, numbered for the records.
     worker_names: WorkerNames,
+    /// The assignments of the dispatch under way, kept between dispatches (empty) so that
+    /// each does not allocate them again.
+    assigned: Assignments,
     /// Recent task executions and transfers, for the dashboard.
     recent: Recent,
     /// Finished jobs still holding their records, oldest first.
@@ -908,6 +925,18 @@ impl State {
             .collect();
         let (progress, receiver) = watch::channel(JobProgress::default());
         let stages = spec.stages.len();
+        let stage_metrics = spec
+            .stages
+            .iter()
+            .map(|stage| {
+                (
+                    self.metrics.task_duration.with_label_values(&[&stage.name]),
+                    self.metrics
+                        .tasks_finished
+                        .with_label_values(&[stage.name.as_str(), "succeeded"]),
+                )
+            })
+            .collect();
         let remaining = spec.stages.iter().map(|s| s.num_tasks as usize).sum();
         let mut job = Job {
             id: id.clone(),
@@ -922,6 +951,7 @@ impl State {
             running: vec![0; stages],
             remaining,
             durations: vec![(0.0, 0); stages],
+            stage_metrics,
             released: false,
             records: None,
             submitted_us: self.clock.now_us(),
@@ -989,6 +1019,7 @@ impl State {
     /// (`state/steal.rs`).
     pub fn dispatch(&mut self) -> Outgoing {
         let mut out = Vec::new();
+        let mut assigned = std::mem::take(&mut self.assigned);
         // Tasks whose workers are busy wait for them, behind the tasks that can run now.
         let mut set_aside = Vec::new();
         while set_aside.len() < MAX_SET_ASIDE && self.has_free_worker() {
@@ -1000,6 +1031,7 @@ impl State {
                 datasets::Gate::Open => {}
                 datasets::Gate::Wait => continue,
                 datasets::Gate::Closed(reason) => {
+                    assigned.flush_into(&mut out);
                     out.extend(self.finish_job(task.job, JobState::Failed, reason));
                     out.extend(self.release_job(task.job));
                     continue;
@@ -1033,7 +1065,7 @@ impl State {
             if let Some(pinned) = job.pinned_worker(task.stage, task.index) {
                 if self.workers.get(pinned).is_some_and(|w| w.free() > 0) {
                     let pinned = pinned.to_string();
-                    out.push(self.start(task, &pinned, expected));
+                    self.start(task, &pinned, expected, &mut assigned);
                     self.requeue_if_free(&pinned);
                 } else {
                     set_aside.push(queued);
@@ -1084,9 +1116,11 @@ impl State {
                     }
                 },
             };
-            out.push(self.start(task, &worker_id, expected));
+            self.start(task, &worker_id, expected, &mut assigned);
             self.requeue_if_free(&worker_id);
         }
+        assigned.flush_into(&mut out);
+        self.assigned = assigned;
         for queued in set_aside.into_iter().rev() {
             self.requeue_front(queued);
         }
@@ -1242,12 +1276,8 @@ impl State {
             .map(|(id, _, open)| (id.to_string(), open))
     }
 
-    fn start(
-        &mut self,
-        task: TaskRef,
-        worker_id: &str,
-        expected: u64,
-    ) -> (WorkerOutbox, SchedulerMessage) {
+    /// Starts `task`'s next attempt on `worker_id`, adding its assignment to `assigned`.
+    fn start(&mut self, task: TaskRef, worker_id: &str, expected: u64, assigned: &mut Assignments) {
         let job = self
             .jobs
             .get_mut(&task.job)
@@ -1355,11 +1385,10 @@ impl State {
             worker.overload_queued = true;
             self.overloaded.push_back(worker_id.to_string());
         }
-        let outbox = worker.outbox.clone();
+        assigned.add(worker.number, &worker.outbox, assign);
         if let Some(job) = self.jobs.get_mut(&task.job) {
             sync_usage(&mut self.ready, job);
         }
-        (outbox, message(ToWorker::Assign(assign)))
     }
 
     /// The running task this report is about, if it is still current (not stale or foreign).
@@ -1389,7 +1418,37 @@ impl State {
         ))
     }
 
+    /// A worker reports task attempts that ended: each is recorded, then the work they made
+    /// room for is placed, in one dispatch for them all (so the worker gets the tasks it has
+    /// room for in one message).
+    pub fn tasks_ended(&mut self, worker_id: &str, reports: TaskReports) -> Outgoing {
+        let mut out = Vec::new();
+        for done in reports.done {
+            out.extend(self.done(worker_id, done));
+        }
+        for failed in reports.failed {
+            out.extend(self.failed(worker_id, failed));
+        }
+        out.extend(self.dispatch());
+        out
+    }
+
+    /// [`State::tasks_ended`] for one task that succeeded.
     pub fn task_done(&mut self, worker_id: &str, done: TaskDone) -> Outgoing {
+        let mut out = self.done(worker_id, done);
+        out.extend(self.dispatch());
+        out
+    }
+
+    /// [`State::tasks_ended`] for one task that failed.
+    pub fn task_failed(&mut self, worker_id: &str, failed: TaskFailed) -> Outgoing {
+        let mut out = self.failed(worker_id, failed);
+        out.extend(self.dispatch());
+        out
+    }
+
+    /// Records a task attempt that succeeded (dispatching is the caller's).
+    fn done(&mut self, worker_id: &str, done: TaskDone) -> Outgoing {
         let Some(id) = done.task else {
             return Vec::new();
         };
@@ -1398,7 +1457,7 @@ impl State {
             worker.observe_task(stats.duration_us);
         }
         let Some((task, worker)) = self.attempt_ended(worker_id, &id) else {
-            return self.dispatch();
+            return Vec::new();
         };
         let duration_us = done.stats.as_ref().map_or(0, |s| s.duration_us);
         let end_us = self.clock.now_us();
@@ -1429,7 +1488,7 @@ impl State {
             self.ready.push(job, task);
             sync_usage(&mut self.ready, job);
             job.publish();
-            return self.dispatch();
+            return Vec::new();
         }
         job.set_status(
             task.stage,
@@ -1440,21 +1499,15 @@ impl State {
             },
         );
         job.tasks[task.stage as usize][task.index as usize].workers_lost = 0;
-        let stage = job.spec.stages[task.stage as usize].name.clone();
+        let (duration, succeeded) = &job.stage_metrics[task.stage as usize];
         if let Some(stats) = done.stats {
             let seconds = stats.duration_us as f64 / 1e6;
             let entry = &mut job.durations[task.stage as usize];
             entry.0 += seconds;
             entry.1 += 1;
-            self.metrics
-                .task_duration
-                .with_label_values(&[stage.as_str()])
-                .observe(seconds);
+            duration.observe(seconds);
         }
-        self.metrics
-            .tasks_finished
-            .with_label_values(&[stage.as_str(), "succeeded"])
-            .inc();
+        succeeded.inc();
         job.reducer_finished(task.stage, task.index);
         let stage_done =
             job.done[task.stage as usize] == job.spec.stages[task.stage as usize].num_tasks;
@@ -1525,7 +1578,6 @@ impl State {
             self.job_ended(task.job);
         }
         self.wake_dataset_readers(task.job);
-        out.extend(self.dispatch());
         out
     }
 
@@ -1556,12 +1608,14 @@ impl State {
         }
     }
 
-    pub fn task_failed(&mut self, worker_id: &str, failed: TaskFailed) -> Outgoing {
+    /// Records a task attempt that failed: retries it or fails its job (dispatching is the
+    /// caller's).
+    fn failed(&mut self, worker_id: &str, failed: TaskFailed) -> Outgoing {
         let Some(id) = failed.task else {
             return Vec::new();
         };
         let Some((task, worker)) = self.attempt_ended(worker_id, &id) else {
-            return self.dispatch();
+            return Vec::new();
         };
         let end_us = self.clock.now_us();
         let job = self
@@ -1602,7 +1656,7 @@ impl State {
             let ready = job.recount_ready(task.job);
             self.ready.extend(job, ready);
             job.publish();
-            return self.dispatch();
+            return Vec::new();
         }
         let reason = format!(
             "stage `{stage_name}` task {} failed{}: {}",
@@ -1617,7 +1671,6 @@ impl State {
         let mut out = self.finish_job(task.job, JobState::Failed, reason);
         // A failed job has no results to fetch: drop its data now.
         out.extend(self.release_job(task.job));
-        out.extend(self.dispatch());
         out
     }
 
@@ -2094,9 +2147,10 @@ mod tests {
     pub(super) fn assigned(out: &Outgoing) -> Vec<AssignTask> {
         out.iter()
             .filter_map(|(_, m)| match &m.kind {
-                Some(ToWorker::Assign(a)) => Some(a.clone()),
+                Some(ToWorker::Assign(a)) => Some(a.tasks.clone()),
                 _ => None,
             })
+            .flatten()
             .collect()
     }
 
@@ -2185,16 +2239,164 @@ mod tests {
         state.submit(T, one_stage(100));
         let first = assigned(&state.dispatch());
         assert_eq!(first.len(), 4, "two slots and one queued task each");
-        // A task of 100 us: three queued per slot, so room for five more beside the other three.
-        let more = assigned(&finish_after(&mut state, &first[0], 100));
+        // A task of 1 ms: three queued per slot, so room for five more beside the other three.
+        let more = assigned(&finish_after(&mut state, &first[0], 1000));
         assert_eq!(more.len(), 5, "eight held in all");
         // A task of one second: back to one queued per slot; seven still held, none added.
         assert!(assigned(&finish_after(&mut state, &first[1], 1_000_000)).is_empty());
         // Until the held tasks drop below four, finishing short ones adds nothing.
         for task in [&first[2], &first[3], &more[0]] {
-            assert!(assigned(&finish_after(&mut state, task, 100)).is_empty());
+            assert!(assigned(&finish_after(&mut state, task, 1000)).is_empty());
         }
-        assert_eq!(assigned(&finish_after(&mut state, &more[1], 100)).len(), 1);
+        assert_eq!(assigned(&finish_after(&mut state, &more[1], 1000)).len(), 1);
+    }
+
+    #[test]
+    fn a_worker_whose_tasks_are_very_short_holds_eight_queued_per_slot() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 2);
+        state.submit(T, one_stage(100));
+        let first = assigned(&state.dispatch());
+        assert_eq!(first.len(), 4);
+        // A task of 100 us: eight queued per slot, room for fifteen more beside the other three.
+        let more = assigned(&finish_after(&mut state, &first[0], 100));
+        assert_eq!(more.len(), 15, "eighteen held in all");
+        // One long task: back to one queued per slot at once.
+        assert!(assigned(&finish_after(&mut state, &first[1], 1_000_000)).is_empty());
+        assert_eq!(state.workers["a"].capacity(), 4);
+    }
+
+    /// The assignments of `out`, per message: (worker, task indices).
+    fn assign_messages(state: &State, out: &Outgoing) -> Vec<(String, Vec<u32>)> {
+        out.iter()
+            .filter_map(|(outbox, m)| match &m.kind {
+                Some(ToWorker::Assign(a)) => Some((
+                    state
+                        .workers
+                        .iter()
+                        .find(|(_, w)| w.outbox.same_channel(outbox))
+                        .map(|(id, _)| id.clone())
+                        .unwrap_or_default(),
+                    a.tasks
+                        .iter()
+                        .map(|t| t.task.as_ref().unwrap().index)
+                        .collect(),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn failure(task: &AssignTask, retriable: bool) -> TaskFailed {
+        TaskFailed {
+            task: task.task.clone(),
+            error: "boom".into(),
+            retriable,
+            duration_us: 0,
+        }
+    }
+
+    #[test]
+    fn the_tasks_placed_on_a_worker_at_once_go_in_one_message_each_in_order() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 2);
+        let _b = add_worker(&mut state, "b", 2);
+        state.submit(T, one_stage(20));
+        let out = state.dispatch();
+        let mut messages = assign_messages(&state, &out);
+        messages.sort();
+        assert_eq!(messages.len(), 2, "one message per worker: {messages:?}");
+        let mut all: Vec<u32> = Vec::new();
+        for (worker, tasks) in &messages {
+            assert_eq!(
+                tasks.len(),
+                4,
+                "{worker}: two running and one queued per slot"
+            );
+            assert!(tasks.is_sorted(), "{worker}: in placement order: {tasks:?}");
+            all.extend(tasks.iter().copied());
+        }
+        all.sort();
+        assert_eq!(all, (0..8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn reports_sent_together_each_count_and_refill_the_worker_in_one_message() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 2);
+        let (id, _) = state.submit(T, one_stage(8));
+        let first = assigned(&state.dispatch());
+        assert_eq!(first.len(), 4);
+        // Two done and one retriable failure in one report: one dispatch for the three.
+        let out = state.tasks_ended(
+            "a",
+            TaskReports {
+                done: vec![done(&first[0], 1), done(&first[1], 1)],
+                failed: vec![failure(&first[2], true)],
+            },
+        );
+        let messages = assign_messages(&state, &out);
+        assert_eq!(
+            messages.len(),
+            1,
+            "one message refills the worker: {messages:?}"
+        );
+        let mut running = assigned(&out);
+        assert_eq!(running.len(), 3, "room for three more");
+        let progress = state.jobs[&state.job_ids[&id]].progress.borrow().clone();
+        assert_eq!(progress.stages[0].done, 2);
+        assert_eq!(progress.stages[0].running, 4);
+        // The rest, reported all at once each round, until the job ends; the failed task ran
+        // again, as its second attempt.
+        running.push(first[3].clone());
+        let mut succeeded = 2;
+        while !running.is_empty() {
+            let out = state.tasks_ended(
+                "a",
+                TaskReports {
+                    done: running.iter().map(|t| done(t, 1)).collect(),
+                    failed: Vec::new(),
+                },
+            );
+            succeeded += running.len();
+            if let Some(retry) = running.iter().find(|t| t.task.as_ref().unwrap().index == 2) {
+                assert_eq!(retry.task.as_ref().unwrap().attempt, 2);
+            }
+            assert!(assign_messages(&state, &out).len() <= 1);
+            running = assigned(&out);
+        }
+        assert_eq!(succeeded, 8);
+        assert_eq!(job_state(&state, &id), JobState::Succeeded);
+    }
+
+    #[test]
+    fn a_fatal_failure_among_reports_fails_the_job_and_cancels_its_other_tasks() {
+        let mut state = State::new();
+        let _a = add_worker(&mut state, "a", 2);
+        let (id, _) = state.submit(T, one_stage(8));
+        let first = assigned(&state.dispatch());
+        let out = state.tasks_ended(
+            "a",
+            TaskReports {
+                done: vec![done(&first[0], 1)],
+                failed: vec![failure(&first[1], false)],
+            },
+        );
+        assert_eq!(job_state(&state, &id), JobState::Failed);
+        assert!(
+            assigned(&out).is_empty(),
+            "nothing more of a failed job starts"
+        );
+        let cancelled: Vec<u32> = out
+            .iter()
+            .filter_map(|(_, m)| match &m.kind {
+                Some(ToWorker::Cancel(c)) => c.task.as_ref().map(|t| t.index),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(cancelled, vec![2, 3]);
+        // A report of a task of the failed job that was still running is ignored.
+        assert!(state.task_done("a", done(&first[2], 1)).is_empty());
     }
 
     #[test]

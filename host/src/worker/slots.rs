@@ -15,8 +15,11 @@ pub struct SlotQueue<T> {
 struct State<T> {
     items: VecDeque<T>,
     closed: bool,
-    /// Threads waiting in `pop`: a push wakes one only when some wait (a wake-up is a system
-    /// call even when nobody sleeps).
+    /// Threads asleep in `pop` that no push has woken yet: a push wakes only as many as it has
+    /// items for, and takes them off this count itself, so that pushes in quick succession do
+    /// not wake the same sleepers again (a wake-up is a system call even when nobody sleeps).
+    /// A thread woken spuriously counts again when it goes back to sleep: the count may exceed
+    /// the sleepers (a wasted wake-up later), never fall short of them.
     waiting: usize,
 }
 
@@ -41,16 +44,19 @@ impl<T> SlotQueue<T> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Queues `item` behind the others; false (the item dropped) once the queue is closed.
-    pub fn push(&self, item: T) -> bool {
+    /// Queues `items` behind the others, in order, waking as many waiting threads as they keep
+    /// busy; false (the items dropped) once the queue is closed.
+    pub fn push(&self, items: impl IntoIterator<Item = T>) -> bool {
         let mut state = self.lock();
         if state.closed {
             return false;
         }
-        state.items.push_back(item);
-        let wake = state.waiting > 0;
+        let before = state.items.len();
+        state.items.extend(items);
+        let wake = state.waiting.min(state.items.len() - before);
+        state.waiting -= wake;
         drop(state);
-        if wake {
+        for _ in 0..wake {
             self.ready.notify_one();
         }
         true
@@ -72,7 +78,6 @@ impl<T> SlotQueue<T> {
                 .ready
                 .wait(state)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            state.waiting -= 1;
         }
     }
 
@@ -97,9 +102,8 @@ mod tests {
     #[test]
     fn items_come_out_in_order() {
         let queue = SlotQueue::default();
-        for i in 0..5 {
-            assert!(queue.push(i));
-        }
+        assert!(queue.push([0, 1]));
+        assert!(queue.push(2..5));
         let popped: Vec<_> = (0..5).filter_map(|_| queue.pop()).collect();
         assert_eq!(popped, vec![0, 1, 2, 3, 4]);
     }
@@ -120,7 +124,7 @@ mod tests {
             })
             .collect();
         for i in 0..10_000 {
-            assert!(queue.push(i));
+            assert!(queue.push([i]));
             if i % 1000 == 0 {
                 // Let the slots drain the queue and wait, so pushes also wake sleeping slots.
                 std::thread::sleep(Duration::from_millis(5));
@@ -143,6 +147,59 @@ mod tests {
     }
 
     #[test]
+    fn several_items_pushed_at_once_wake_as_many_waiting_slots() {
+        let queue = Arc::new(SlotQueue::<u32>::default());
+        let (taken, took) = std::sync::mpsc::channel();
+        for _ in 0..3 {
+            let (queue, taken) = (queue.clone(), taken.clone());
+            // Each slot takes one item and then stays busy (it never pops again).
+            std::thread::spawn(move || taken.send(queue.pop()));
+        }
+        while queue.lock().waiting < 3 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(queue.push([1, 2, 3]));
+        let mut got: Vec<_> = (0..3)
+            .map(|_| {
+                took.recv_timeout(Duration::from_secs(5))
+                    .expect("a slot woke")
+            })
+            .collect();
+        got.sort();
+        assert_eq!(got, vec![Some(1), Some(2), Some(3)]);
+        queue.close();
+    }
+
+    #[test]
+    fn a_push_wakes_each_sleeper_once_however_soon_the_next_push_comes() {
+        let queue = Arc::new(SlotQueue::<u32>::default());
+        let (taken, took) = std::sync::mpsc::channel();
+        for _ in 0..2 {
+            let (queue, taken) = (queue.clone(), taken.clone());
+            std::thread::spawn(move || taken.send(queue.pop()));
+        }
+        while queue.lock().waiting < 2 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Each push takes the sleeper it wakes off the count at once, before that one runs:
+        // the next push wakes the other sleeper, not the same one again.
+        assert!(queue.push([1]));
+        assert_eq!(queue.lock().waiting, 1);
+        assert!(queue.push([2]));
+        assert_eq!(queue.lock().waiting, 0);
+        assert!(queue.push([3]), "nobody left to wake: it waits for a slot");
+        let mut got: Vec<_> = (0..2)
+            .map(|_| {
+                took.recv_timeout(Duration::from_secs(5))
+                    .expect("a slot woke")
+            })
+            .collect();
+        got.sort();
+        assert_eq!(got, vec![Some(1), Some(2)]);
+        assert_eq!(queue.pop(), Some(3));
+    }
+
+    #[test]
     fn closing_ends_waiting_slots_and_refuses_more() {
         let queue = Arc::new(SlotQueue::<u32>::default());
         let waiter = {
@@ -152,14 +209,14 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         queue.close();
         assert_eq!(waiter.join().unwrap(), None);
-        assert!(!queue.push(1), "a closed queue takes nothing");
+        assert!(!queue.push([1]), "a closed queue takes nothing");
         assert_eq!(queue.pop(), None);
     }
 
     #[test]
     fn closing_drops_what_is_queued() {
         let queue = SlotQueue::default();
-        assert!(queue.push("never run"));
+        assert!(queue.push(["never run"]));
         queue.close();
         assert_eq!(queue.pop(), None);
     }

@@ -1,10 +1,11 @@
 //! Work stealing: tasks queued on a busy worker move to a worker with an idle slot.
 //!
-//! A worker holds up to one queued task per slot beyond those it runs, so a freed slot starts
-//! its next task without a round trip. Placement already prefers a slot free to run in over a
-//! queue (see [`State::dispatch`]); but work finishes unevenly, and a worker can sit idle while
-//! another still has tasks queued that it has not started. Then the scheduler steals, the way
-//! Dask's work stealing does, with a confirmation rather than a blind cancel:
+//! A worker holds a few queued tasks per slot beyond those it runs (more while its tasks are
+//! short, see `Worker::capacity`), so a freed slot starts its next task without a round trip.
+//! Placement already prefers a slot free to run in over a queue (see [`State::dispatch`]); but
+//! work finishes unevenly, and a worker can sit idle while another still has tasks queued that
+//! it has not started. Then the scheduler steals, the way Dask's work stealing does, with a
+//! confirmation rather than a blind cancel:
 //!
 //! 1. When a worker has a slot free to run in and no ready task it can take, the scheduler asks
 //!    an overloaded worker (one with more tasks assigned than slots) to give back its most
@@ -25,7 +26,7 @@
 use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::{Retract, Retracted, TaskId};
 
-use super::{Outgoing, State, TaskStatus, expected_bytes, message, sync_usage};
+use super::{Assignments, Outgoing, State, TaskStatus, expected_bytes, message, sync_usage};
 
 impl State {
     /// Asks overloaded workers to give back queued tasks for the workers with an idle slot.
@@ -180,7 +181,9 @@ impl State {
             .get(&thief)
             .is_some_and(|w| w.has_open_slot() && w.fits(expected) && w.has_tags(requires))
         {
-            out.push(self.start(task, &thief, expected));
+            let mut assigned = Assignments::default();
+            self.start(task, &thief, expected, &mut assigned);
+            assigned.flush_into(&mut out);
             self.requeue_if_free(&thief);
         } else {
             self.ready.push_first(job, task);
@@ -224,7 +227,9 @@ mod tests {
                     .find(|(id, _)| state.workers[*id].outbox.same_channel(&outbox))
                     .expect("a message to a known worker");
                 match message.kind {
-                    Some(ToWorker::Assign(assign)) => sim.queued.push_back(assign.task.unwrap()),
+                    Some(ToWorker::Assign(assign)) => sim
+                        .queued
+                        .extend(assign.tasks.into_iter().map(|t| t.task.unwrap())),
                     Some(ToWorker::Retract(retract)) => {
                         let task = retract.task.unwrap();
                         let before = sim.queued.len();
@@ -328,7 +333,8 @@ mod tests {
         // four queued), and every second task would follow its input there.
         let (id, _) = state.submit(T, two_stages(8));
         let out = state.dispatch();
-        assert_eq!(out.len(), 8);
+        assert_eq!(out.len(), 1, "one message for the worker");
+        assert_eq!(assigned(&out).len(), 8);
         let _b = add_worker(&mut state, "b", 2);
         let _c = add_worker(&mut state, "c", 2);
         let mut out = out;
