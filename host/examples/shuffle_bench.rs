@@ -87,6 +87,8 @@ async fn receive(kind: &str, piece_bytes: Option<usize>) -> Result<()> {
     // Pieces of replaced attempts leave the pool at once: a few GiB is plenty.
     let store = piece_store(4 << 30, spill.path())?;
     let mut out = std::io::stdout();
+    // Keeps the UCX receiver (in builds with UCX) serving until the end.
+    #[cfg(feature = "ucx")]
     let _ucx;
     match kind {
         "tcp" => {
@@ -214,6 +216,7 @@ async fn raw(address: &str, total: u64, chunk: usize) -> Result<f64> {
 }
 
 /// `ucx_perftest` tag bandwidth for `count` messages of `size` bytes, in GB/s.
+#[cfg(feature = "ucx")]
 fn ucx_perftest(size: usize, count: usize) -> Option<f64> {
     let port = "23457";
     let args = [
