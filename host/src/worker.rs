@@ -1,7 +1,7 @@
 //! The worker process: it serves its partitions to peers, attaches to the scheduler, registers,
 //! heartbeats, and runs the tasks it is assigned, keeping their outputs in its partition store.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,9 +35,11 @@ use crate::store::{PartitionId, PartitionStore, PoolError, StoreStats, TaskMemor
 use crate::table::Table;
 use crate::transfer::{DataService, PeerClient};
 
+mod attempts;
 mod outbox;
 mod slots;
 
+use attempts::Attempts;
 use outbox::Coalesced;
 use slots::SlotQueue;
 
@@ -125,12 +127,8 @@ struct Shared {
     scheduler: SchedulerClient<AuthChannel>,
     outbox: mpsc::Sender<WorkerMessage>,
     metrics: WorkerMetrics,
-    /// Cancel flags of the tasks assigned here, by job, stage and index.
-    cancels: std::sync::Mutex<HashMap<TaskKey, Arc<AtomicBool>>>,
-    /// Attempts assigned here that have not started (waiting for a slot), which the scheduler
-    /// may still retract to give them to an idle worker; an attempt leaves the set when it
-    /// starts or is retracted, whichever comes first.
-    queued: std::sync::Mutex<HashSet<AttemptKey>>,
+    /// The attempts assigned here: their cancel flags, and which still wait for a slot.
+    attempts: Attempts,
     /// Tasks assigned here, waiting for a slot's thread (the scheduler may queue more tasks
     /// here than run at once).
     queue: SlotQueue<Assigned>,
@@ -350,8 +348,7 @@ pub async fn run_retirable(
         metrics,
         scheduler,
         outbox: outbox.clone(),
-        cancels: Default::default(),
-        queued: Default::default(),
+        attempts: Attempts::default(),
         queue: SlotQueue::default(),
         running: Default::default(),
     });
@@ -396,13 +393,13 @@ pub async fn run_retirable(
                         // Registered here, in message order, so a cancel that follows the
                         // assignment always finds the task.
                         let assigned: Vec<Assigned> = assign.tasks.into_iter().map(|task| {
-                            let cancel = shared.register(&task);
+                            let cancel = shared.attempts.register(&task.task.clone().unwrap_or_default());
                             Assigned { task, cancel }
                         }).collect();
                         shared.queue.push(assigned);
                     }
                     Some(FromScheduler::Release(release)) => {
-                        shared.cancel_where(|(job, _, _)| *job == release.job_id);
+                        shared.attempts.cancel_where(|job, _, _| job == release.job_id);
                         let dropped = shared.store.release_job(&release.job_id);
                         let exchanges = shared.shuffle.store().release_job(&release.job_id);
                         if let Ok(mut broadcasts) = shared.broadcasts.lock() {
@@ -419,7 +416,7 @@ pub async fn run_retirable(
                     }
                     Some(FromScheduler::Retract(retract)) => {
                         if let Some(task) = retract.task {
-                            let dropped = shared.retract(&task);
+                            let dropped = shared.attempts.retract(&task);
                             tracing::debug!(task = %task, dropped, "retract requested");
                             let _ = outbox.send(WorkerMessage {
                                 kind: Some(ToScheduler::Retracted(Retracted { task: Some(task), dropped })),
@@ -428,7 +425,7 @@ pub async fn run_retirable(
                     }
                     Some(FromScheduler::Cancel(cancel)) => {
                         if let Some(task) = cancel.task {
-                            shared.cancel_where(|key| *key == (task.job_id.clone(), task.stage, task.index));
+                            shared.attempts.cancel_where(|job, stage, index| job == task.job_id && stage == task.stage && index == task.index);
                         }
                     }
                     Some(FromScheduler::Fetch(fetch)) => {
@@ -453,7 +450,7 @@ pub async fn run_retirable(
     // The slots' threads end with the queue; a guest still running is stopped (its outcome has
     // nowhere to go).
     shared.queue.close();
-    shared.cancel_where(|_| true);
+    shared.attempts.cancel_where(|_, _, _| true);
     let _ = stop_data.send(());
     let _ = data_server.await;
     shuffle_server.abort();
@@ -562,76 +559,16 @@ async fn connect_with_retry(address: &str, timeout: Duration) -> Result<Channel,
     }
 }
 
-/// A task's identity on this worker: job, stage, index.
-type TaskKey = (String, u32, u32);
-
-fn task_key(task: &AssignTask) -> TaskKey {
-    let id = task.task.clone().unwrap_or_default();
-    (id.job_id, id.stage, id.index)
-}
-
-/// A task attempt's identity on this worker: job, stage, index, attempt.
-type AttemptKey = (String, u32, u32, u32);
-
-fn attempt_key(id: Option<&TaskId>) -> AttemptKey {
-    let id = id.cloned().unwrap_or_default();
-    (id.job_id, id.stage, id.index, id.attempt)
-}
-
-impl Shared {
-    /// Records a newly assigned task; returns the flag that cancels it.
-    fn register(&self, task: &AssignTask) -> Arc<AtomicBool> {
-        let cancel = Arc::new(AtomicBool::new(false));
-        if let Ok(mut cancels) = self.cancels.lock() {
-            cancels.insert(task_key(task), cancel.clone());
-        }
-        if let Ok(mut queued) = self.queued.lock() {
-            queued.insert(attempt_key(task.task.as_ref()));
-        }
-        cancel
-    }
-
-    /// Gives back a queued attempt the scheduler retracts: true when it had not started (it
-    /// never will here), false when it started already (it runs and reports as usual).
-    fn retract(&self, task: &TaskId) -> bool {
-        self.queued
-            .lock()
-            .is_ok_and(|mut queued| queued.remove(&attempt_key(Some(task))))
-    }
-
-    /// Whether a queued attempt may start now (it was not retracted); it leaves the queued set.
-    fn begin(&self, task: &AssignTask) -> bool {
-        self.queued
-            .lock()
-            .is_ok_and(|mut queued| queued.remove(&attempt_key(task.task.as_ref())))
-    }
-
-    /// Stops the tasks whose key matches, running or queued.
-    fn cancel_where(&self, matches: impl Fn(&TaskKey) -> bool) {
-        if let Ok(cancels) = self.cancels.lock() {
-            for (key, flag) in cancels.iter() {
-                if matches(key) {
-                    flag.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-        }
-    }
-}
-
 /// Runs one assigned task on a slot's thread, unless it was retracted meanwhile, and reports
 /// its outcome to the scheduler.
 fn run_assigned(shared: &Arc<Shared>, runtime: &tokio::runtime::Handle, assigned: Assigned) {
     use std::sync::atomic::Ordering;
     let Assigned { task, cancel } = assigned;
-    if !shared.begin(&task) {
+    let id = task.task.clone().unwrap_or_default();
+    if !shared.attempts.begin(&id) {
         // Retracted while queued: the scheduler gave it to another worker.
-        if let Ok(mut cancels) = shared.cancels.lock() {
-            cancels.remove(&task_key(&task));
-        }
         return;
     }
-    let id = task.task.clone().unwrap_or_default();
-    let key = task_key(&task);
     shared.running.fetch_add(1, Ordering::Relaxed);
     shared.metrics.running_tasks.inc();
     tracing::debug!(worker = %shared.worker_id, task = %id, stage = %task.stage_name, "task started");
@@ -641,9 +578,7 @@ fn run_assigned(shared: &Arc<Shared>, runtime: &tokio::runtime::Handle, assigned
     } else {
         execute(shared, runtime, task, cancel)
     };
-    if let Ok(mut cancels) = shared.cancels.lock() {
-        cancels.remove(&key);
-    }
+    shared.attempts.finish(&id);
     shared.metrics.running_tasks.dec();
     shared.running.fetch_sub(1, Ordering::Relaxed);
     if outcome.is_ok() {
