@@ -12,10 +12,10 @@ use arrow::compute;
 use arrow::datatypes::{DataType, Int32Type, Int64Type};
 use arrow::error::ArrowError;
 use arrow::row::{RowConverter, Rows, SortField};
-
-use super::dictionary::logical_type;
 use hashbrown::HashMap;
 use hashbrown::hash_map::Entry;
+
+use super::dictionary::logical_type;
 
 /// Key columns encoded for hashing and equality.
 pub(crate) enum EncodedKeys {
@@ -231,9 +231,10 @@ fn dictionary_group_ids(
     let mut first_rows: Vec<u32> = Vec::new();
     let keys = dictionary.keys();
     for (row, &key) in keys.values().iter().enumerate() {
-        // A null key, or a key to a null value, is the null group.
+        // A null key, or a key to a null value, is the null group (Arrow checked the keys
+        // against the dictionary when it built the array; a key outside it counts as null).
         let slot = match usize::try_from(key) {
-            Ok(key) if keys.is_valid(row) && values.is_valid(key) => {
+            Ok(key) if key < values.len() && keys.is_valid(row) && values.is_valid(key) => {
                 &mut group_of_value[value_ids[key] as usize]
             }
             _ => &mut null_group,
