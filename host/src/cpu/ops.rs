@@ -308,21 +308,25 @@ pub fn aggregate(batch: &RecordBatch, aggregates: &[Aggregate]) -> Result<Record
     RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).map_err(arrow_err(OP))
 }
 
+/// The column an aggregate reads: counting reads only the validity, which a dictionary's keys
+/// carry; every other aggregate reads the values, so a dictionary-encoded column is decoded.
+fn aggregated_values(
+    values: &ArrayRef,
+    function: AggregateFn,
+) -> Result<ArrayRef, arrow::error::ArrowError> {
+    match function {
+        AggregateFn::Count => Ok(values.clone()),
+        _ => super::dictionary::plain(values),
+    }
+}
+
 /// Sum, count and mean of a whole numeric column with Arrow's reductions, typed as the group-by
 /// would type them; `None` for the other cases.
 fn whole_column(
     values: &ArrayRef,
     function: AggregateFn,
 ) -> Result<Option<ArrayRef>, arrow::error::ArrowError> {
-    let decoded;
-    let values = match function {
-        // Counting reads only the validity, which a dictionary's keys carry.
-        AggregateFn::Count => values,
-        _ => {
-            decoded = super::dictionary::plain(values)?;
-            &decoded
-        }
-    };
+    let values = &aggregated_values(values, function)?;
     let data_type = values.data_type();
     let valid = (values.len() - values.logical_null_count()) as i64;
     Ok(Some(match function {
@@ -352,15 +356,7 @@ fn aggregate_column(
     groups: usize,
     function: AggregateFn,
 ) -> Result<ArrayRef, String> {
-    let decoded;
-    let values = match function {
-        // Counting reads only the validity, which a dictionary's keys carry.
-        AggregateFn::Count => values,
-        _ => {
-            decoded = super::dictionary::plain(values).map_err(|e| e.to_string())?;
-            &decoded
-        }
-    };
+    let values = &aggregated_values(values, function).map_err(|e| e.to_string())?;
     let data_type = values.data_type();
     match function {
         AggregateFn::Count => {
