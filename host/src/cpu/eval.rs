@@ -80,7 +80,7 @@ pub fn evaluate(expr: &Expr, batch: &RecordBatch) -> Result<ArrayRef, ExprError>
     let batch = decoded_for(expr, batch)?;
     match super::fused::try_evaluate(expr, &batch) {
         Some(result) => result,
-        None => evaluate_with_kernels(expr, &batch),
+        None => kernels(expr, &batch),
     }
 }
 
@@ -99,8 +99,12 @@ fn decoded_for<'a>(expr: &Expr, batch: &'a RecordBatch) -> Result<Cow<'a, Record
 /// Evaluates `expr` with one Arrow kernel per node (the reference the fused path is tested
 /// against, and the path for strings, dates and casts the fused program does not cover).
 pub fn evaluate_with_kernels(expr: &Expr, batch: &RecordBatch) -> Result<ArrayRef, ExprError> {
+    kernels(expr, &*decoded_for(expr, batch)?)
+}
+
+/// [`evaluate_with_kernels`] over a batch whose columns `expr` reads are decoded already.
+fn kernels(expr: &Expr, batch: &RecordBatch) -> Result<ArrayRef, ExprError> {
     expr.data_type(&batch.schema())?;
-    let batch = &*decoded_for(expr, batch)?;
     let value = eval(expr, batch).map_err(|e| ExprError::Evaluation {
         expr: expr.to_string(),
         detail: e.to_string(),
