@@ -99,6 +99,35 @@ mod tests {
 
     use super::*;
 
+    /// `slots` threads asleep in `pop`, each taking one item and then staying busy (never
+    /// popping again); what each took arrives on the returned channel.
+    fn sleeping_slots(
+        queue: &Arc<SlotQueue<u32>>,
+        slots: usize,
+    ) -> std::sync::mpsc::Receiver<Option<u32>> {
+        let (taken, took) = std::sync::mpsc::channel();
+        for _ in 0..slots {
+            let (queue, taken) = (queue.clone(), taken.clone());
+            std::thread::spawn(move || taken.send(queue.pop()));
+        }
+        while queue.lock().waiting < slots {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        took
+    }
+
+    /// What the first `slots` slots to wake took, sorted.
+    fn woken(took: &std::sync::mpsc::Receiver<Option<u32>>, slots: usize) -> Vec<Option<u32>> {
+        let mut got: Vec<_> = (0..slots)
+            .map(|_| {
+                took.recv_timeout(Duration::from_secs(5))
+                    .expect("a slot woke")
+            })
+            .collect();
+        got.sort();
+        got
+    }
+
     #[test]
     fn items_come_out_in_order() {
         let queue = SlotQueue::default();
@@ -149,38 +178,16 @@ mod tests {
     #[test]
     fn several_items_pushed_at_once_wake_as_many_waiting_slots() {
         let queue = Arc::new(SlotQueue::<u32>::default());
-        let (taken, took) = std::sync::mpsc::channel();
-        for _ in 0..3 {
-            let (queue, taken) = (queue.clone(), taken.clone());
-            // Each slot takes one item and then stays busy (it never pops again).
-            std::thread::spawn(move || taken.send(queue.pop()));
-        }
-        while queue.lock().waiting < 3 {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let took = sleeping_slots(&queue, 3);
         assert!(queue.push([1, 2, 3]));
-        let mut got: Vec<_> = (0..3)
-            .map(|_| {
-                took.recv_timeout(Duration::from_secs(5))
-                    .expect("a slot woke")
-            })
-            .collect();
-        got.sort();
-        assert_eq!(got, vec![Some(1), Some(2), Some(3)]);
+        assert_eq!(woken(&took, 3), vec![Some(1), Some(2), Some(3)]);
         queue.close();
     }
 
     #[test]
     fn a_push_wakes_each_sleeper_once_however_soon_the_next_push_comes() {
         let queue = Arc::new(SlotQueue::<u32>::default());
-        let (taken, took) = std::sync::mpsc::channel();
-        for _ in 0..2 {
-            let (queue, taken) = (queue.clone(), taken.clone());
-            std::thread::spawn(move || taken.send(queue.pop()));
-        }
-        while queue.lock().waiting < 2 {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let took = sleeping_slots(&queue, 2);
         // Each push takes the sleeper it wakes off the count at once, before that one runs:
         // the next push wakes the other sleeper, not the same one again.
         assert!(queue.push([1]));
@@ -188,14 +195,7 @@ mod tests {
         assert!(queue.push([2]));
         assert_eq!(queue.lock().waiting, 0);
         assert!(queue.push([3]), "nobody left to wake: it waits for a slot");
-        let mut got: Vec<_> = (0..2)
-            .map(|_| {
-                took.recv_timeout(Duration::from_secs(5))
-                    .expect("a slot woke")
-            })
-            .collect();
-        got.sort();
-        assert_eq!(got, vec![Some(1), Some(2)]);
+        assert_eq!(woken(&took, 2), vec![Some(1), Some(2)]);
         assert_eq!(queue.pop(), Some(3));
     }
 
