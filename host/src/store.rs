@@ -13,12 +13,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use arrow::buffer::Buffer;
+
 use crate::cpu::build_cache::BuildCache;
 use crate::memory::pool::{Account, Pool, PoolStats};
 use crate::memory::size::Bytes;
 use crate::memory::spill::{SpillDir, SpillError, SpillFile};
 use crate::shuffle::pieces::PieceId;
-use crate::table::Table;
+use crate::table::{Table, ipc_segments};
 
 /// How long an admission waits for running tasks to give memory back before failing.
 pub const ADMISSION_TIMEOUT: Duration = Duration::from_secs(120);
@@ -365,9 +367,10 @@ impl PartitionStore {
         Ok(Some(table))
     }
 
-    /// Partition `id` as an Arrow IPC stream for a peer: a spilled partition is sent straight
-    /// from its file, without coming back into the pool.
-    pub fn ipc_bytes(&self, id: &PartitionId) -> Option<Result<Vec<u8>, String>> {
+    /// Partition `id` as an Arrow IPC stream for a peer, in segments: the table's own buffers
+    /// between the messages' headers (see [`ipc_segments`]), or a spilled partition's file read
+    /// as it is, without coming back into the pool.
+    pub fn ipc_stream(&self, id: &PartitionId) -> Option<Result<Vec<Buffer>, String>> {
         let (table, file) = {
             let mut inner = self.lock();
             inner.clock += 1;
@@ -377,8 +380,11 @@ impl PartitionStore {
             (entry.table.clone(), entry.file.clone())
         };
         Some(match (table, file) {
-            (Some(table), _) => crate::table::encode_ipc(table.batch()).map_err(|e| e.to_string()),
-            (None, Some(file)) => file.read_bytes().map_err(|e| e.to_string()),
+            (Some(table), _) => ipc_segments(table.batch()).map_err(|e| e.to_string()),
+            (None, Some(file)) => file
+                .read_bytes()
+                .map(|bytes| vec![Buffer::from(bytes)])
+                .map_err(|e| e.to_string()),
             (None, None) => Err(format!("partition {id} has no data")),
         })
     }
@@ -836,9 +842,18 @@ mod tests {
         store.insert(id("j", 0), table(10_000, 4.0));
         store.insert(id("j", 1), table(10_000, 5.0));
         assert_eq!(store.stats().spilled_partitions, 1);
-        let bytes = store.ipc_bytes(&id("j", 0)).unwrap().unwrap();
-        let batch = crate::table::decode_ipc(&bytes).unwrap();
+        let stream = store.ipc_stream(&id("j", 0)).unwrap().unwrap();
+        assert_eq!(stream.len(), 1, "the file's bytes as one segment");
+        let batch = crate::table::decode_ipc_buffer(stream[0].clone()).unwrap();
         assert_eq!(batch, table(10_000, 4.0).batch().clone());
+        // One in memory goes out as its own buffers.
+        let held = store.ipc_stream(&id("j", 1)).unwrap().unwrap();
+        let values = table(10_000, 5.0);
+        let joined: Vec<u8> = held.iter().flat_map(|s| s.to_vec()).collect();
+        assert_eq!(
+            crate::table::decode_ipc(&joined).unwrap(),
+            values.batch().clone()
+        );
         assert_eq!(
             store.stats().pool.unspills,
             0,

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
+use arrow::buffer::Buffer;
+use bytes::{Bytes, BytesMut};
 use futures::Stream;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
@@ -14,12 +16,20 @@ use wrk_proto::worker_client::WorkerClient;
 use wrk_proto::worker_server::Worker;
 use wrk_proto::{DataChunk, MAX_MESSAGE_BYTES, PartitionKey};
 
+use crate::memory::buffers::{self, PooledVec};
 use crate::metrics::WorkerMetrics;
 use crate::store::{PartitionId, PartitionStore};
-use crate::table::{Table, decode_ipc};
+use crate::table::{Table, decode_ipc_buffer};
 
 /// Size of one chunk of a transfer.
 const CHUNK_BYTES: usize = 4 << 20;
+/// The HTTP/2 flow-control window of one fetch.
+const STREAM_WINDOW_BYTES: u32 = 8 << 20;
+/// The largest HTTP/2 frame a peer may send us (the protocol's maximum; the default is 16 KiB).
+const MAX_FRAME_BYTES: u32 = (1 << 24) - 1;
+/// Segments of an IPC stream shorter than this are copied into a chunk with their neighbours;
+/// longer ones go out as slices of the table's own buffer.
+const COPIED_SEGMENT_BYTES: usize = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {
@@ -88,10 +98,9 @@ impl Worker for DataService {
             }
         }
         let key = request.into_inner();
-        // A spilled partition is sent straight from its spill file (already an IPC stream).
         let store = self.store.clone();
         let id = PartitionId::from(&key);
-        let bytes = tokio::task::spawn_blocking(move || store.ipc_bytes(&id))
+        let segments = tokio::task::spawn_blocking(move || store.ipc_stream(&id))
             .await
             .map_err(|e| Status::internal(format!("encoding partition {key}: {e}")))?
             .ok_or_else(|| {
@@ -101,19 +110,57 @@ impl Worker for DataService {
                 ))
             })?
             .map_err(|e| Status::internal(format!("encoding partition {key}: {e}")))?;
-        self.metrics.count_transfer("served", bytes.len());
-        let bytes = bytes::Bytes::from(bytes);
-        let chunks: Vec<Result<DataChunk, Status>> = (0..bytes.len().max(1))
-            .step_by(CHUNK_BYTES)
-            .map(|start| {
-                let end = (start + CHUNK_BYTES).min(bytes.len());
-                Ok(DataChunk {
-                    ipc: bytes.slice(start..end).to_vec(),
-                })
-            })
-            .collect();
-        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+        let chunks = chunks(segments);
+        self.metrics
+            .count_transfer("served", chunks.iter().map(|c| c.ipc.len()).sum::<usize>());
+        Ok(Response::new(Box::pin(tokio_stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
     }
+}
+
+/// Cuts an IPC stream's segments into chunks of at most [`CHUNK_BYTES`]: large segments (the
+/// tables' buffers) are sliced, not copied; runs of small ones (the messages' headers, short
+/// columns) are copied together so that a wide table does not go out as thousands of tiny
+/// messages. The first chunk carries the stream's length.
+fn chunks(segments: Vec<Buffer>) -> Vec<DataChunk> {
+    let stream_bytes: usize = segments.iter().map(|s| s.len()).sum();
+    let mut chunks = Vec::with_capacity(stream_bytes / CHUNK_BYTES + 2);
+    let mut small = BytesMut::new();
+    let flush = |small: &mut BytesMut, chunks: &mut Vec<DataChunk>| {
+        if !small.is_empty() {
+            chunks.push(DataChunk {
+                ipc: small.split().freeze(),
+                stream_bytes: 0,
+            });
+        }
+    };
+    for segment in segments {
+        if segment.len() < COPIED_SEGMENT_BYTES {
+            small.extend_from_slice(&segment);
+            if small.len() >= CHUNK_BYTES {
+                flush(&mut small, &mut chunks);
+            }
+            continue;
+        }
+        flush(&mut small, &mut chunks);
+        let segment = Bytes::from(segment);
+        let mut start = 0;
+        while start < segment.len() {
+            let end = (start + CHUNK_BYTES).min(segment.len());
+            chunks.push(DataChunk {
+                ipc: segment.slice(start..end),
+                stream_bytes: 0,
+            });
+            start = end;
+        }
+    }
+    flush(&mut small, &mut chunks);
+    match chunks.first_mut() {
+        Some(first) => first.stream_bytes = stream_bytes as u64,
+        None => chunks.push(DataChunk::default()),
+    }
+    chunks
 }
 
 /// Fetches partitions from peers, keeping one connection per peer address.
@@ -151,6 +198,12 @@ impl PeerClient {
         };
         let channel = Endpoint::from_shared(address.to_string())
             .map_err(|e| connect_err(e.to_string()))?
+            // A partition is megabytes: HTTP/2's default 64 KiB windows would stall the stream
+            // on window updates.
+            .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+            .initial_connection_window_size(Some(2 * STREAM_WINDOW_BYTES))
+            .max_frame_size(Some(MAX_FRAME_BYTES))
+            .tcp_nodelay(true)
             .connect()
             .await
             .map_err(|e| connect_err(e.to_string()))?;
@@ -187,19 +240,38 @@ impl PeerClient {
             .await
             .map_err(|s| fetch_err(s.message().to_string()))?
             .into_inner();
-        let mut bytes = Vec::new();
+        let mut received: Option<PooledVec<u8>> = None;
+        let mut declared = 0u64;
         while let Some(chunk) = stream
             .message()
             .await
             .map_err(|s| fetch_err(s.message().to_string()))?
         {
-            bytes.extend_from_slice(&chunk.ipc);
+            let block = received.get_or_insert_with(|| {
+                declared = chunk.stream_bytes;
+                // The worker's reusable blocks are resident already: no page faults.
+                PooledVec::with_capacity(buffers::global(), chunk.stream_bytes as usize)
+            });
+            if declared > 0 && (block.len() + chunk.ipc.len()) as u64 > declared {
+                return Err(fetch_err(format!(
+                    "the worker sent more than the {declared} bytes it announced"
+                )));
+            }
+            block.extend_from_slice(&chunk.ipc);
+        }
+        let received = received.unwrap_or_else(|| PooledVec::with_capacity(buffers::global(), 0));
+        if declared > 0 && received.len() as u64 != declared {
+            return Err(fetch_err(format!(
+                "the stream ended after {} of the {declared} bytes the worker announced",
+                received.len()
+            )));
         }
         if let Some(metrics) = &self.metrics {
-            metrics.count_transfer("fetched", bytes.len());
+            metrics.count_transfer("fetched", received.len());
         }
         let (address, key_text) = (address.to_string(), key.to_string());
-        let batch = tokio::task::spawn_blocking(move || decode_ipc(&bytes))
+        let stream = received.into_scalar_buffer().into_inner();
+        let batch = tokio::task::spawn_blocking(move || decode_ipc_buffer(stream))
             .await
             .map_err(|e| TransferError::Decode {
                 address: address.clone(),
@@ -221,6 +293,7 @@ mod tests {
     use arrow::array::Int64Array;
     use arrow::record_batch::RecordBatch;
     use wrk_proto::auth::partition_ticket;
+    use wrk_proto::worker_server::WorkerServer;
 
     fn service() -> (DataService, PartitionKey, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
@@ -282,6 +355,125 @@ mod tests {
                 .fetch_partition(request(&key, Some(&ticket)))
                 .await
                 .is_ok()
+        );
+    }
+
+    fn chunk_bytes(chunks: &[DataChunk]) -> Vec<u8> {
+        chunks.iter().flat_map(|c| c.ipc.to_vec()).collect()
+    }
+
+    #[test]
+    fn large_segments_are_sliced_in_place_and_small_ones_sent_together() {
+        let large = Buffer::from(vec![7u8; CHUNK_BYTES + CHUNK_BYTES / 2]);
+        let small: Vec<Buffer> = (0..3u8).map(|i| Buffer::from(vec![i; 100])).collect();
+        let segments = vec![
+            small[0].clone(),
+            small[1].clone(),
+            large.clone(),
+            small[2].clone(),
+        ];
+        let chunks = chunks(segments.clone());
+        let lengths: Vec<usize> = chunks.iter().map(|c| c.ipc.len()).collect();
+        assert_eq!(lengths, [200, CHUNK_BYTES, CHUNK_BYTES / 2, 100]);
+        assert_eq!(chunks[1].ipc.as_ptr(), large.as_ptr(), "sliced, not copied");
+        let total: usize = segments.iter().map(|s| s.len()).sum();
+        assert_eq!(chunks[0].stream_bytes, total as u64);
+        assert!(chunks[1..].iter().all(|c| c.stream_bytes == 0));
+        let expected: Vec<u8> = segments.iter().flat_map(|s| s.to_vec()).collect();
+        assert_eq!(chunk_bytes(&chunks), expected);
+        assert_eq!(
+            super::chunks(Vec::new()).len(),
+            1,
+            "an empty stream is one chunk"
+        );
+    }
+
+    /// Serves `service` on a loopback port; its address.
+    async fn serve(service: impl Worker) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(
+                    WorkerServer::new(service).max_encoding_message_size(MAX_MESSAGE_BYTES),
+                )
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+        );
+        address
+    }
+
+    #[tokio::test]
+    async fn a_partition_of_many_chunks_arrives_whole_over_grpc() {
+        let (service, key, _dir) = service();
+        let rows = 1_500_000;
+        let big = RecordBatch::try_from_iter([
+            ("x", Arc::new(Int64Array::from_iter_values(0..rows)) as _),
+            (
+                "y",
+                Arc::new(arrow::array::Float64Array::from_iter_values(
+                    (0..rows).map(|i| i as f64 / 2.0),
+                )) as _,
+            ),
+        ])
+        .unwrap();
+        service
+            .store
+            .insert(PartitionId::from(&key), Table::new(big.clone()));
+        let address = serve(service).await;
+        let ticket = partition_ticket(b"cluster-secret", &key);
+        let fetched = PeerClient::new()
+            .fetch(&address, &key, &ticket)
+            .await
+            .unwrap();
+        assert_eq!(fetched.batch(), &big, "24 MB in 6 chunks");
+    }
+
+    /// A peer that announces one length and sends another.
+    struct ShortPeer;
+
+    #[tonic::async_trait]
+    impl Worker for ShortPeer {
+        type FetchPartitionStream = ChunkStream;
+
+        async fn fetch_partition(
+            &self,
+            _: Request<PartitionKey>,
+        ) -> Result<Response<ChunkStream>, Status> {
+            let mut chunks = chunks(ipc_segments_of(10));
+            chunks[0].stream_bytes += 1;
+            Ok(Response::new(Box::pin(tokio_stream::iter(
+                chunks.into_iter().map(Ok),
+            ))))
+        }
+    }
+
+    fn ipc_segments_of(rows: i64) -> Vec<Buffer> {
+        let batch = RecordBatch::try_from_iter([(
+            "x",
+            Arc::new(Int64Array::from_iter_values(0..rows)) as _,
+        )])
+        .unwrap();
+        crate::table::ipc_segments(&batch).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_stream_shorter_than_announced_is_refused_naming_the_partition() {
+        let address = serve(ShortPeer).await;
+        let key = PartitionKey {
+            job_id: "job-000007".into(),
+            stage: 1,
+            task: 2,
+            output: 0,
+        };
+        let err = PeerClient::new()
+            .fetch(&address, &key, "")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("could not send partition job-000007/1/2/0")
+                && err.contains("the stream ended after"),
+            "{err}"
         );
     }
 }

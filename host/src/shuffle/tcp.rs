@@ -18,9 +18,6 @@ use std::sync::{Arc, Mutex};
 use std::io::IoSlice;
 
 use arrow::buffer::Buffer;
-use arrow::ipc::reader::StreamDecoder;
-use arrow::ipc::writer::StreamEncoder;
-use arrow::record_batch::RecordBatch;
 use bytes::BufMut;
 use futures::future::BoxFuture;
 use hmac::{KeyInit, Mac};
@@ -33,7 +30,7 @@ use super::pieces::PieceStore;
 use super::transport::{Delivery, Transport, TransportError};
 use crate::memory::buffers::{self, PooledVec};
 use crate::metrics::WorkerMetrics;
-use crate::table::Table;
+use crate::table::{Table, decode_ipc_buffer, ipc_segments};
 
 const NONCE_BYTES: usize = 32;
 /// Headers name pieces and partitions, never data: anything larger is not a sender of ours.
@@ -63,40 +60,6 @@ fn proof_is_valid(secret: &[u8], nonce: &[u8], answer: &[u8]) -> bool {
     mac.update(b"wrk-shuffle/");
     mac.update(nonce);
     mac.verify_slice(answer).is_ok()
-}
-
-/// One table as an Arrow IPC stream, made of the table's own buffers (not copied) between the
-/// messages' headers.
-pub fn encode_piece(batch: &RecordBatch) -> Result<Vec<Buffer>, arrow::error::ArrowError> {
-    let mut encoder = StreamEncoder::try_new(&batch.schema())?;
-    let mut segments = encoder.encode(batch)?;
-    segments.extend(encoder.finish()?);
-    Ok(segments)
-}
-
-/// Decodes one Arrow IPC stream whose buffers stay in `buffer` (no copy when aligned).
-pub fn decode_piece(mut buffer: Buffer) -> Result<RecordBatch, arrow::error::ArrowError> {
-    let mut decoder = StreamDecoder::new();
-    let mut batches = Vec::new();
-    let mut schema = None;
-    while !buffer.is_empty() {
-        match decoder.decode(&mut buffer)? {
-            Some(batch) => {
-                schema.get_or_insert_with(|| batch.schema());
-                batches.push(batch);
-            }
-            None if buffer.is_empty() => break,
-            None => {}
-        }
-    }
-    decoder.finish()?;
-    match (batches.len(), schema) {
-        (1, _) => Ok(batches.remove(0)),
-        (_, Some(schema)) => arrow::compute::concat_batches(&schema, &batches),
-        (_, None) => Err(arrow::error::ArrowError::IpcError(
-            "a shuffle piece holds no record batch".into(),
-        )),
-    }
 }
 
 /// Serves the shuffle port: stores what peers deliver in `store`.
@@ -214,7 +177,7 @@ fn decode_delivery(header: PushPieces, payload: Buffer) -> Result<Delivery, Stri
     for meta in &header.pieces {
         let bytes = payload.slice_with_length(offset, meta.bytes as usize);
         offset += meta.bytes as usize;
-        let batch = decode_piece(bytes).map_err(|e| {
+        let batch = decode_ipc_buffer(bytes).map_err(|e| {
             format!(
                 "the piece of partition {} from mapper {} of exchange `{}` is not a valid Arrow IPC stream: {e}",
                 meta.partition, header.mapper, header.exchange
@@ -337,7 +300,7 @@ pub fn encode_delivery(delivery: &Delivery) -> Result<EncodedDelivery, String> {
     let mut metas = Vec::with_capacity(delivery.pieces.len());
     let mut payload = Vec::with_capacity(delivery.pieces.len() * 8);
     for (partition, table) in &delivery.pieces {
-        let segments = encode_piece(table.batch()).map_err(|e| {
+        let segments = ipc_segments(table.batch()).map_err(|e| {
             format!("encoding the piece of partition {partition} as Arrow IPC: {e}")
         })?;
         metas.push(PieceMeta {
@@ -446,7 +409,7 @@ mod tests {
 
     fn table(keys: &[i64], names: &[&str]) -> Table {
         Table::new(
-            RecordBatch::try_from_iter([
+            arrow::record_batch::RecordBatch::try_from_iter([
                 ("k", Arc::new(Int64Array::from(keys.to_vec())) as _),
                 ("s", Arc::new(StringArray::from(names.to_vec())) as _),
             ])
@@ -544,31 +507,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains(&format!("worker gone at {address}")), "{err}");
-    }
-
-    #[test]
-    fn pieces_go_out_as_the_tables_own_buffers_and_decode_back_equal() {
-        let piece = table(&(0..10_000).collect::<Vec<i64>>(), &vec!["x"; 10_000]);
-        let segments = encode_piece(piece.batch()).unwrap();
-        let keys = piece.batch().column(0).to_data().buffers()[0].clone();
-        assert!(
-            segments.iter().any(|s| s.as_ptr() == keys.as_ptr()),
-            "the key column's buffer is sent as it is, not copied"
-        );
-        let stream: Vec<u8> = segments
-            .iter()
-            .flat_map(|s| s.as_slice().to_vec())
-            .collect();
-        assert_eq!(&decode_piece(Buffer::from(stream)).unwrap(), piece.batch());
-        // A sliced table goes out as just its rows.
-        let sliced = piece.batch().slice(9_990, 10);
-        let stream: Vec<u8> = encode_piece(&sliced)
-            .unwrap()
-            .iter()
-            .flat_map(|s| s.as_slice().to_vec())
-            .collect();
-        assert!(stream.len() < 2_000, "{} bytes for 10 rows", stream.len());
-        assert_eq!(decode_piece(Buffer::from(stream)).unwrap(), sliced);
     }
 
     #[test]
