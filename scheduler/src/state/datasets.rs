@@ -510,7 +510,7 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{T, add_worker, assigned, finish, job_state, worker_of};
+    use super::super::tests::{Inbox, T, add_worker, assigned, finish, job_state, worker_of};
     use super::*;
     use wrk_proto::scheduler_message::Kind as ToWorker;
     use wrk_proto::{AssignTask, PartitionsFetched, Stage, task_input};
@@ -630,6 +630,101 @@ mod tests {
         run_all(&mut state, out, 10);
         assert_eq!(job_state(&state, &read), JobState::Succeeded);
         assert_eq!(state.datasets(T).datasets[0].partitions, 4);
+    }
+
+    /// Reports `task` done by its worker: one output of `bytes`, after `duration_us`.
+    fn finish_after(
+        state: &mut State,
+        task: &AssignTask,
+        bytes: u64,
+        duration_us: u64,
+    ) -> Outgoing {
+        let worker = worker_of(state, task);
+        state.task_done(
+            &worker,
+            wrk_proto::TaskDone {
+                task: task.task.clone(),
+                outputs: vec![wrk_proto::OutputMeta { rows: 1, bytes }],
+                stats: Some(wrk_proto::TaskStats {
+                    duration_us,
+                    ..Default::default()
+                }),
+            },
+        )
+    }
+
+    /// Runs a persisting job of `partitions` tasks on `a` alone, each output `bytes` big and
+    /// each task `duration_us` long; then `b` joins. The state and the workers' inboxes.
+    fn dataset_on_a(partitions: u32, bytes: u64, duration_us: u64) -> (State, [Inbox; 2]) {
+        let mut state = State::new();
+        let a = add_worker(&mut state, "a", 1);
+        submit(&mut state, T, producer(partitions, "d")).unwrap();
+        let mut out = state.dispatch();
+        loop {
+            let started = assigned(&out);
+            if started.is_empty() {
+                break;
+            }
+            out = Vec::new();
+            for task in &started {
+                out.extend(finish_after(&mut state, task, bytes, duration_us));
+            }
+        }
+        let b = add_worker(&mut state, "b", 1);
+        (state, [a, b])
+    }
+
+    fn placed_on(state: &State, started: &[AssignTask]) -> Vec<String> {
+        started.iter().map(|t| worker_of(state, t)).collect()
+    }
+
+    fn retracts(out: &Outgoing) -> usize {
+        out.iter()
+            .filter(|(_, m)| matches!(m.kind, Some(ToWorker::Retract(_))))
+            .count()
+    }
+
+    #[test]
+    fn readers_queue_behind_short_tasks_where_their_large_partitions_are() {
+        // 100 MB partitions take about 0.1 s to move; the tasks on `a` take 2 ms.
+        let (mut state, _inboxes) = dataset_on_a(4, 100_000_000, 2_000);
+        submit(&mut state, T, reader("d")).unwrap();
+        let out = state.dispatch();
+        let started = assigned(&out);
+        assert_eq!(placed_on(&state, &started), ["a", "a", "a", "a"]);
+        assert_eq!(retracts(&out), 0, "idle `b` steals none of them either");
+        assert!(state.dispatch().is_empty());
+
+        // With partitions that move in no time, the idle worker takes a share.
+        let (mut state, _inboxes) = dataset_on_a(4, 1_000, 2_000);
+        submit(&mut state, T, reader("d")).unwrap();
+        let started = assigned(&state.dispatch());
+        assert!(
+            placed_on(&state, &started).contains(&"b".to_string()),
+            "{:?}",
+            placed_on(&state, &started)
+        );
+    }
+
+    #[test]
+    fn a_reader_moves_to_an_idle_worker_once_the_wait_would_exceed_the_transfer() {
+        // 50 MB partitions (about 50 ms to move), 20 ms tasks: a second and a third task are
+        // worth waiting for on `a` (20 and 40 ms), a fourth is not (60 ms).
+        let (mut state, _inboxes) = dataset_on_a(4, 50_000_000, 20_000);
+        submit(&mut state, T, reader("d")).unwrap();
+        let first = assigned(&state.dispatch());
+        assert_eq!(placed_on(&state, &first), ["a", "a", "b"]);
+        // The one that waited starts on `a` when `a` has room again.
+        let next = assigned(&finish_after(&mut state, &first[0], 10, 20_000));
+        assert_eq!(placed_on(&state, &next), ["a"]);
+        let inputs: Vec<u32> = first
+            .iter()
+            .chain(&next)
+            .map(|t| t.task.as_ref().unwrap().index)
+            .collect();
+        let mut sorted = inputs.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, [0, 1, 2, 3], "every reader placed once: {inputs:?}");
     }
 
     #[test]

@@ -10,8 +10,9 @@
 //! 1. When a worker has a slot free to run in and no ready task it can take, the scheduler asks
 //!    an overloaded worker (one with more tasks assigned than slots) to give back its most
 //!    recently assigned task (the one it would start last) with `Retract`, if the idle worker
-//!    has the task's tags and room for its working set, and the task is not pinned to its
-//!    worker (a shuffle reducer's partition is received there).
+//!    has the task's tags and room for its working set, the task is not pinned to its worker
+//!    (a shuffle reducer's partition is received there), and moving the inputs the busy worker
+//!    holds for it should take less time than the tasks queued ahead of it there.
 //! 2. The busy worker answers `Retracted`: `dropped` when the task had not started, and never
 //!    will there; otherwise it keeps running it and reports it as usual. A task therefore runs
 //!    at most once per attempt, never twice, and the race between starting and giving back is
@@ -26,7 +27,10 @@
 use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::{Retract, Retracted, TaskId};
 
-use super::{Assignments, Outgoing, State, TaskStatus, expected_bytes, message, sync_usage};
+use super::{
+    Assignments, Outgoing, State, TaskRef, TaskStatus, expected_bytes, message, sync_usage,
+    transfer_seconds,
+};
 
 impl State {
     /// Asks overloaded workers to give back queued tasks for the workers with an idle slot.
@@ -109,17 +113,38 @@ impl State {
             assigned.sort_unstable_by_key(|(_, (_, order))| std::cmp::Reverse(*order));
             let found = assigned
                 .into_iter()
+                .enumerate()
                 .take(victim.stealable())
-                .filter(|(_, (_, order))| *order > victim.started_through)
-                .find_map(|(&key, &(bytes, _))| {
-                    let (job, stage, index) = key;
-                    let job = self.jobs.get(&job)?;
+                .filter(|(_, (_, (_, order)))| *order > victim.started_through)
+                .find_map(|(newest, (&key, &(bytes, _)))| {
+                    let (number, stage, index) = key;
+                    let job = self.jobs.get(&number)?;
                     let requires = &job.spec.stages[stage as usize].requires;
                     let entry = job.tasks.get(stage as usize)?.get(index as usize)?;
                     let movable = thief.has_tags(requires)
                         && thief.fits(bytes)
                         && job.pinned_worker(stage, index).is_none();
-                    movable.then_some((key, entry.attempts))
+                    // Not when moving its inputs takes longer than waiting for the tasks
+                    // ahead of it where they are.
+                    let task = TaskRef {
+                        job: number,
+                        stage,
+                        index,
+                    };
+                    let held = self
+                        .input_bytes_by_worker(job, task)
+                        .get(id.as_str())
+                        .copied()
+                        .unwrap_or(0);
+                    let ahead = victim
+                        .running
+                        .len()
+                        .saturating_sub(newest + victim.slots as usize);
+                    let worth_moving = held == 0
+                        || victim
+                            .wait_seconds(ahead)
+                            .is_none_or(|wait| wait > transfer_seconds(held));
+                    (movable && worth_moving).then_some((key, entry.attempts))
                 });
             if let Some((key, attempt)) = found {
                 return Some((id.clone(), key, attempt));
