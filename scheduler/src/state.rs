@@ -28,6 +28,7 @@ use crate::tenants::TenantPolicy;
 
 mod assignments;
 mod datasets;
+mod locality;
 mod moves;
 mod queue;
 mod requirements;
@@ -38,6 +39,7 @@ mod views;
 
 use assignments::Assignments;
 pub use datasets::Read;
+use locality::{DurationHistory, Locality};
 use queue::ReadyQueue;
 
 pub use views::{
@@ -74,17 +76,6 @@ const VERY_SHORT_TASK_SECONDS: f64 = 0.0005;
 /// The weight of the latest task in a worker's moving average of task durations: one long
 /// task makes the average long at once, about thirty short ones make it short again.
 const TASK_SECONDS_WEIGHT: f64 = 0.1;
-
-/// The rate a placement assumes a partition moves between workers at, to weigh fetching a
-/// task's inputs against waiting for the worker that holds them (Dask's `decide_worker` does
-/// the same with its measured bandwidth). A peer fetch moves about 2 GB/s over loopback here;
-/// 1 GB/s stands for a 10 GbE link.
-const TRANSFER_BYTES_PER_SECOND: f64 = 1e9;
-
-/// Seconds to move `bytes` between workers at [`TRANSFER_BYTES_PER_SECOND`].
-fn transfer_seconds(bytes: u64) -> f64 {
-    bytes as f64 / TRANSFER_BYTES_PER_SECOND
-}
 
 /// A task running on this many workers that died fails its job as poisoned.
 pub const POISON_AFTER_LOST_WORKERS: u32 = 3;
@@ -127,19 +118,6 @@ pub enum StateError {
 }
 
 /// A task, by position in its job.
-/// Where a task's inputs say it should go ([`State::locality`]).
-enum Locality {
-    /// To this worker, which holds most of its inputs: it has a slot free, or room to queue
-    /// the task behind tasks that should finish before the inputs could move.
-    Place(String),
-    /// This worker holds most of its inputs and has no room now, but its tasks should finish
-    /// before the inputs could move: the task waits for it in the ready queue.
-    Wait(String),
-    /// Wherever a slot is free first: no worker's inputs are worth waiting for. The holder of
-    /// most of them, when it has room to queue the task, comes before other queues.
-    Anywhere(Option<String>),
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct TaskRef {
     job: u64,
@@ -281,13 +259,6 @@ impl Worker {
         self.slots * (1 + queued)
     }
 
-    /// Seconds before a task with `tasks_ahead` tasks assigned here before it would start:
-    /// those spread over the slots at the recent mean duration. None before a task finished
-    /// here (nothing to go by).
-    fn wait_seconds(&self, tasks_ahead: usize) -> Option<f64> {
-        Some(tasks_ahead as f64 / self.slots.max(1) as f64 * self.task_seconds?)
-    }
-
     /// Counts a task that ran here for `duration_us` in its moving average.
     fn observe_task(&mut self, duration_us: u64) {
         let seconds = duration_us as f64 / 1e6;
@@ -357,6 +328,8 @@ pub struct StoredModule {
 #[derive(Default)]
 pub struct State {
     workers: HashMap<String, Worker>,
+    /// Mean task durations per module and stage name across jobs, for placement.
+    durations: DurationHistory,
     jobs: HashMap<u64, Job>,
     job_ids: HashMap<String, u64>,
     modules: HashMap<String, StoredModule>,
@@ -1278,62 +1251,6 @@ impl State {
         number
     }
 
-    /// Bytes of `task`'s inputs each worker holds: the upstream outputs it reads and the
-    /// dataset partition it reads, if any.
-    fn input_bytes_by_worker<'a>(&'a self, job: &'a Job, task: TaskRef) -> HashMap<&'a str, u64> {
-        let mut bytes_by_worker: HashMap<&str, u64> = HashMap::new();
-        for (stage, index) in job.inputs_of(task.stage, task.index) {
-            if let TaskStatus::Done { worker, outputs } =
-                &job.tasks[stage as usize][index as usize].status
-            {
-                *bytes_by_worker.entry(worker.as_str()).or_default() += output_bytes(outputs);
-            }
-        }
-        if let Some((worker, bytes)) = self.dataset_holders(task) {
-            *bytes_by_worker.entry(worker).or_default() += bytes;
-        }
-        bytes_by_worker
-    }
-
-    /// Where `task`'s inputs say it should go. The worker holding most of their bytes (with
-    /// the tags `requires` and pool for `expected` bytes) is worth waiting for when its tasks
-    /// ahead of this one, `waiting` more set aside for it already included, should finish
-    /// before those bytes could move to another worker.
-    fn locality(
-        &self,
-        job: &Job,
-        task: TaskRef,
-        expected: u64,
-        requires: &[String],
-        waiting: &HashMap<String, usize>,
-    ) -> Locality {
-        let holder = self
-            .input_bytes_by_worker(job, task)
-            .into_iter()
-            .filter_map(|(id, bytes)| {
-                let w = self.workers.get(id)?;
-                (!w.retiring && w.fits(expected) && w.has_tags(requires)).then_some((id, bytes, w))
-            })
-            .max_by_key(|(id, bytes, _)| (*bytes, std::cmp::Reverse(*id)));
-        let Some((id, bytes, w)) = holder else {
-            return Locality::Anywhere(None);
-        };
-        if w.has_open_slot() {
-            return Locality::Place(id.to_string());
-        }
-        let ahead = (w.running.len() + 1 + waiting.get(id).copied().unwrap_or(0))
-            .saturating_sub(w.slots as usize);
-        let worth_waiting = w
-            .wait_seconds(ahead)
-            .is_some_and(|wait| wait < transfer_seconds(bytes));
-        match (w.free() > 0, worth_waiting) {
-            (true, true) => Locality::Place(id.to_string()),
-            (false, true) => Locality::Wait(id.to_string()),
-            (true, false) => Locality::Anywhere(Some(id.to_string())),
-            (false, false) => Locality::Anywhere(None),
-        }
-    }
-
     /// Starts `task`'s next attempt on `worker_id`, adding its assignment to `assigned`.
     fn start(&mut self, task: TaskRef, worker_id: &str, expected: u64, assigned: &mut Assignments) {
         let job = self
@@ -1564,6 +1481,9 @@ impl State {
             entry.0 += seconds;
             entry.1 += 1;
             duration.observe(seconds);
+            let stage = &job.spec.stages[task.stage as usize];
+            self.durations
+                .observe(&stage.module_hash, &stage.name, seconds);
         }
         succeeded.inc();
         job.reducer_finished(task.stage, task.index);

@@ -82,6 +82,7 @@ impl Task for EngineBench {
                     sum("trips").alias("trips"),
                 ])?
                 .sort([asc("shift")])?,
+            ("scan", "load") => first(&inputs)?.select(["fare_amount"])?,
             ("scan", "partial") => first(&inputs)?
                 .filter(col("fare_amount").gt(30.0))?
                 .aggregate([sum("fare_amount").alias("fare_sum")])?,

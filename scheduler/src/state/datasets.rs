@@ -728,6 +728,34 @@ mod tests {
     }
 
     #[test]
+    fn a_new_job_is_placed_by_the_durations_of_the_same_stage_in_earlier_jobs() {
+        // The partitions took 200 ms each to make, so `a`'s recent mean is long; the readers
+        // take 2 ms, which a first reading job teaches the scheduler.
+        let (mut state, _inboxes) = dataset_on_a(4, 100_000_000, 200_000);
+        submit(&mut state, T, reader("d")).unwrap();
+        let mut out = state.dispatch();
+        loop {
+            let started = assigned(&out);
+            if started.is_empty() {
+                break;
+            }
+            out = Vec::new();
+            for task in &started {
+                out.extend(finish_after(&mut state, task, 10, 2_000));
+            }
+        }
+        submit(&mut state, T, reader("d")).unwrap();
+        let out = state.dispatch();
+        let started = assigned(&out);
+        // `a` takes as many as its queue holds (its recent mean is still long, so its queue
+        // is short); the other two wait for it rather than move 100 MB to idle `b`.
+        assert_eq!(placed_on(&state, &started), ["a", "a"]);
+        assert_eq!(retracts(&out), 0);
+        let next = assigned(&finish_after(&mut state, &started[0], 10, 2_000));
+        assert_eq!(placed_on(&state, &next), ["a"]);
+    }
+
+    #[test]
     fn a_lost_dataset_partition_is_recomputed_and_its_reader_waits_for_it() {
         let mut state = State::new();
         let _a = add_worker(&mut state, "a", 2);

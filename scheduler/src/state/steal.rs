@@ -27,9 +27,9 @@
 use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::{Retract, Retracted, TaskId};
 
+use super::locality::transfer_seconds;
 use super::{
     Assignments, Outgoing, State, TaskRef, TaskStatus, expected_bytes, message, sync_usage,
-    transfer_seconds,
 };
 
 impl State {
@@ -113,10 +113,9 @@ impl State {
             assigned.sort_unstable_by_key(|(_, (_, order))| std::cmp::Reverse(*order));
             let found = assigned
                 .into_iter()
-                .enumerate()
                 .take(victim.stealable())
-                .filter(|(_, (_, (_, order)))| *order > victim.started_through)
-                .find_map(|(newest, (&key, &(bytes, _)))| {
+                .filter(|(_, (_, order))| *order > victim.started_through)
+                .find_map(|(&key, &(bytes, order))| {
                     let (number, stage, index) = key;
                     let job = self.jobs.get(&number)?;
                     let requires = &job.spec.stages[stage as usize].requires;
@@ -136,14 +135,11 @@ impl State {
                         .get(id.as_str())
                         .copied()
                         .unwrap_or(0);
-                    let ahead = victim
-                        .running
-                        .len()
-                        .saturating_sub(newest + victim.slots as usize);
+                    let transfer = transfer_seconds(held);
                     let worth_moving = held == 0
-                        || victim
-                            .wait_seconds(ahead)
-                            .is_none_or(|wait| wait > transfer_seconds(held));
+                        || self
+                            .wait_seconds(victim, Some(order), 0.0, transfer)
+                            .is_none_or(|wait| wait > transfer);
                     (movable && worth_moving).then_some((key, entry.attempts))
                 });
             if let Some((key, attempt)) = found {
