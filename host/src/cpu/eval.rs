@@ -17,6 +17,7 @@ use arrow::datatypes::{DataType, Float64Type};
 use arrow::error::ArrowError;
 use arrow::record_batch::RecordBatch;
 
+use super::compare;
 use crate::expr::{Expr, ExprError, Literal, common_type, numeric_result};
 use crate::guest_api::wit::{BinaryOp, UnaryOp};
 
@@ -258,6 +259,18 @@ fn eval_binary(
         Add | Sub | Mul | Rem => {
             let target = numeric_result(left_type, right_type).ok_or_else(invalid)?;
             let (l, r) = (left.cast(&target)?, right.cast(&target)?);
+            let with_scalar = match (&l, &r) {
+                (Value::Array(column), Value::Scalar(value)) => {
+                    compare::compare_with_scalar(op, column.as_ref(), value.as_ref(), false)
+                }
+                (Value::Scalar(value), Value::Array(column)) => {
+                    compare::compare_with_scalar(op, column.as_ref(), value.as_ref(), true)
+                }
+                _ => None,
+            };
+            if let Some(mask) = with_scalar {
+                return Ok(Value::Array(Arc::new(mask)));
+            }
             let (l, r) = (l.datum(), r.datum());
             let result = match op {
                 Add => numeric::add_wrapping(&*l, &*r)?,

@@ -3,6 +3,7 @@
 //! Used when a worker has no GPU; it is also the reference the CUDA backend is tested against.
 
 pub mod build_cache;
+pub(crate) mod compare;
 pub mod dictionary;
 pub mod eval;
 pub(crate) mod fused;
