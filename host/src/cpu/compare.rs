@@ -8,7 +8,7 @@
 
 use arrow::array::{Array, ArrowPrimitiveType, AsArray, BooleanArray, downcast_primitive};
 use arrow::buffer::{BooleanBuffer, MutableBuffer};
-use arrow::datatypes::ArrowNativeTypeOp;
+use arrow::datatypes::{ArrowNativeTypeOp, DataType};
 
 use crate::guest_api::wit::BinaryOp;
 
@@ -49,22 +49,53 @@ fn compare_primitive<T: ArrowPrimitiveType>(
     column: &dyn Array,
     scalar: &dyn Array,
 ) -> Option<BooleanArray> {
-    let values = column.as_primitive::<T>().values();
-    let scalar = scalar.as_primitive::<T>().value(0);
-    let bits = match op {
-        BinaryOp::Eq => pack(values, |v| v.is_eq(scalar)),
-        BinaryOp::Ne => pack(values, |v| v.is_ne(scalar)),
-        BinaryOp::Lt => pack(values, |v| v.is_lt(scalar)),
-        BinaryOp::Le => pack(values, |v| v.is_le(scalar)),
-        BinaryOp::Gt => pack(values, |v| v.is_gt(scalar)),
-        BinaryOp::Ge => pack(values, |v| v.is_ge(scalar)),
-        _ => return None,
-    };
+    let column = column.as_primitive::<T>();
+    let scalar = scalar.as_primitive::<T>();
+    let bits = match T::DATA_TYPE {
+        // Floats compare as integers whose order is the floats' total order.
+        DataType::Float64 => compare_keys(
+            op,
+            column.values().inner().typed_data::<i64>(),
+            scalar.values().inner().typed_data::<i64>()[0],
+            |bits| bits ^ (((bits >> 63) as u64) >> 1) as i64,
+        ),
+        DataType::Float32 => compare_keys(
+            op,
+            column.values().inner().typed_data::<i32>(),
+            scalar.values().inner().typed_data::<i32>()[0],
+            |bits| bits ^ (((bits >> 31) as u32) >> 1) as i32,
+        ),
+        DataType::Float16 => return None,
+        _ => compare_keys(op, column.values(), scalar.value(0), |v| v),
+    }?;
     Some(BooleanArray::new(bits, column.nulls().cloned()))
 }
 
+/// The mask of `key(value) op key(scalar)` over `values`.
+fn compare_keys<V, K>(
+    op: BinaryOp,
+    values: &[V],
+    scalar: V,
+    key: impl Fn(V) -> K + Copy,
+) -> Option<BooleanBuffer>
+where
+    V: Copy,
+    K: ArrowNativeTypeOp,
+{
+    let s = key(scalar);
+    Some(match op {
+        BinaryOp::Eq => pack(values, move |v| key(v).is_eq(s)),
+        BinaryOp::Ne => pack(values, move |v| key(v).is_ne(s)),
+        BinaryOp::Lt => pack(values, move |v| key(v).is_lt(s)),
+        BinaryOp::Le => pack(values, move |v| key(v).is_le(s)),
+        BinaryOp::Gt => pack(values, move |v| key(v).is_gt(s)),
+        BinaryOp::Ge => pack(values, move |v| key(v).is_ge(s)),
+        _ => return None,
+    })
+}
+
 /// The mask of the values for which `keep` holds, with AVX2 when the CPU has it.
-fn pack<T: ArrowNativeTypeOp, F: Fn(T) -> bool>(values: &[T], keep: F) -> BooleanBuffer {
+fn pack<T: Copy, F: Fn(T) -> bool>(values: &[T], keep: F) -> BooleanBuffer {
     let mut words = MutableBuffer::new(values.len().div_ceil(64) * 8);
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
@@ -78,20 +109,12 @@ fn pack<T: ArrowNativeTypeOp, F: Fn(T) -> bool>(values: &[T], keep: F) -> Boolea
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn pack_avx2<T: ArrowNativeTypeOp, F: Fn(T) -> bool>(
-    values: &[T],
-    keep: &F,
-    words: &mut MutableBuffer,
-) {
+fn pack_avx2<T: Copy, F: Fn(T) -> bool>(values: &[T], keep: &F, words: &mut MutableBuffer) {
     pack_words(values, keep, words)
 }
 
 #[inline(always)]
-fn pack_words<T: ArrowNativeTypeOp, F: Fn(T) -> bool>(
-    values: &[T],
-    keep: &F,
-    words: &mut MutableBuffer,
-) {
+fn pack_words<T: Copy, F: Fn(T) -> bool>(values: &[T], keep: &F, words: &mut MutableBuffer) {
     let chunks = values.chunks_exact(64);
     let rest = chunks.remainder();
     for chunk in chunks {

@@ -259,18 +259,6 @@ fn eval_binary(
         Add | Sub | Mul | Rem => {
             let target = numeric_result(left_type, right_type).ok_or_else(invalid)?;
             let (l, r) = (left.cast(&target)?, right.cast(&target)?);
-            let with_scalar = match (&l, &r) {
-                (Value::Array(column), Value::Scalar(value)) => {
-                    compare::compare_with_scalar(op, column.as_ref(), value.as_ref(), false)
-                }
-                (Value::Scalar(value), Value::Array(column)) => {
-                    compare::compare_with_scalar(op, column.as_ref(), value.as_ref(), true)
-                }
-                _ => None,
-            };
-            if let Some(mask) = with_scalar {
-                return Ok(Value::Array(Arc::new(mask)));
-            }
             let (l, r) = (l.datum(), r.datum());
             let result = match op {
                 Add => numeric::add_wrapping(&*l, &*r)?,
@@ -304,6 +292,18 @@ fn eval_binary(
         Eq | Ne | Lt | Le | Gt | Ge => {
             let target = common_type(left_type, right_type).ok_or_else(invalid)?;
             let (l, r) = (left.cast(&target)?, right.cast(&target)?);
+            let with_scalar = match (&l, &r) {
+                (Value::Array(column), Value::Scalar(value)) => {
+                    compare::compare_with_scalar(op, column.as_ref(), value.as_ref(), false)
+                }
+                (Value::Scalar(value), Value::Array(column)) => {
+                    compare::compare_with_scalar(op, column.as_ref(), value.as_ref(), true)
+                }
+                _ => None,
+            };
+            if let Some(mask) = with_scalar {
+                return Ok(Value::Array(Arc::new(mask)));
+            }
             let (l, r) = (l.datum(), r.datum());
             let result = match op {
                 Eq => cmp::eq(&*l, &*r)?,
