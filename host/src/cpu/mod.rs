@@ -4,6 +4,7 @@
 
 pub mod build_cache;
 pub(crate) mod compare;
+pub(crate) mod compress;
 pub mod dictionary;
 pub mod eval;
 pub(crate) mod fused;

@@ -19,6 +19,7 @@ use arrow::datatypes::{
 };
 use arrow::error::ArrowError;
 
+use super::compress;
 use crate::memory::buffers::{self, PooledVec};
 
 /// Above this share of rows kept, a filter copies runs of kept rows rather than one row at a
@@ -311,8 +312,11 @@ fn filter_primitive<T: ArrowPrimitiveType>(
     arrow_filter: &dyn Fn(&dyn Array) -> Result<ArrayRef, ArrowError>,
 ) -> Result<ArrayRef, ArrowError> {
     let values = column.as_primitive::<T>().values();
-    let mut out = PooledVec::<T::Native>::with_capacity(buffers::global(), kept);
-    if kept as f64 > selected.len() as f64 * RUNS_ABOVE_SELECTIVITY {
+    let mut out = PooledVec::<T::Native>::with_capacity(buffers::global(), kept + compress::SLACK);
+    if let Some(written) = compress::compress_8byte(values, selected, out.spare_capacity_mut()) {
+        // SAFETY: `compress_8byte` wrote the first `written` items of the spare room.
+        unsafe { out.set_len(written) };
+    } else if kept as f64 > selected.len() as f64 * RUNS_ABOVE_SELECTIVITY {
         for (start, end) in selected.set_slices() {
             out.extend_from_slice(&values[start..end]);
         }

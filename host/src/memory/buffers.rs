@@ -306,6 +306,46 @@ impl<T: ArrowNativeType> PooledVec<T> {
         }
     }
 
+    /// The room past the items, to write more into before [`PooledVec::set_len`] counts them.
+    pub fn spare_capacity_mut(&mut self) -> &mut [std::mem::MaybeUninit<T>] {
+        match &mut self.storage {
+            Storage::Plain(v) => v.spare_capacity_mut(),
+            // SAFETY: the block holds `capacity` items of `T`, of which the first `len` are
+            // written; the rest is this vector's alone, handed out as uninitialised.
+            Storage::Pooled {
+                block,
+                len,
+                capacity,
+                ..
+            } => unsafe {
+                std::slice::from_raw_parts_mut(
+                    block
+                        .ptr
+                        .as_ptr()
+                        .cast::<std::mem::MaybeUninit<T>>()
+                        .add(*len),
+                    *capacity - *len,
+                )
+            },
+        }
+    }
+
+    /// Sets the number of items.
+    ///
+    /// # Safety
+    /// `new_len` must be at most the capacity, and the items up to it written (through
+    /// [`PooledVec::spare_capacity_mut`]).
+    pub unsafe fn set_len(&mut self, new_len: usize) {
+        match &mut self.storage {
+            // SAFETY: passed on from the caller.
+            Storage::Plain(v) => unsafe { v.set_len(new_len) },
+            Storage::Pooled { len, capacity, .. } => {
+                assert!(new_len <= *capacity, "a length past the block");
+                *len = new_len;
+            }
+        }
+    }
+
     fn as_slice(&self) -> &[T] {
         match &self.storage {
             Storage::Plain(v) => v,
