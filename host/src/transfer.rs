@@ -23,6 +23,8 @@ use crate::table::{Table, decode_ipc_buffer};
 
 /// Size of one chunk of a transfer.
 const CHUNK_BYTES: usize = 4 << 20;
+/// The most a fetch reserves up front for the stream its peer announces.
+const PREALLOCATED_BYTES_LIMIT: u64 = 1 << 30;
 /// The HTTP/2 flow-control window of one fetch.
 const STREAM_WINDOW_BYTES: u32 = 8 << 20;
 /// The largest HTTP/2 frame a peer may send us (the protocol's maximum; the default is 16 KiB).
@@ -249,8 +251,10 @@ impl PeerClient {
         {
             let block = received.get_or_insert_with(|| {
                 declared = chunk.stream_bytes;
-                // The worker's reusable blocks are resident already: no page faults.
-                PooledVec::with_capacity(buffers::global(), chunk.stream_bytes as usize)
+                // The worker's reusable blocks are resident already: no page faults. Beyond
+                // the first GiB the block grows as bytes arrive, whatever was announced.
+                let room = chunk.stream_bytes.min(PREALLOCATED_BYTES_LIMIT);
+                PooledVec::with_capacity(buffers::global(), room as usize)
             });
             if declared > 0 && (block.len() + chunk.ipc.len()) as u64 > declared {
                 return Err(fetch_err(format!(
@@ -429,7 +433,9 @@ mod tests {
     }
 
     /// A peer that announces one length and sends another.
-    struct ShortPeer;
+    struct ShortPeer {
+        announced: u64,
+    }
 
     #[tonic::async_trait]
     impl Worker for ShortPeer {
@@ -440,7 +446,7 @@ mod tests {
             _: Request<PartitionKey>,
         ) -> Result<Response<ChunkStream>, Status> {
             let mut chunks = chunks(ipc_segments_of(10));
-            chunks[0].stream_bytes += 1;
+            chunks[0].stream_bytes = self.announced;
             Ok(Response::new(Box::pin(tokio_stream::iter(
                 chunks.into_iter().map(Ok),
             ))))
@@ -458,22 +464,31 @@ mod tests {
 
     #[tokio::test]
     async fn a_stream_shorter_than_announced_is_refused_naming_the_partition() {
-        let address = serve(ShortPeer).await;
         let key = PartitionKey {
             job_id: "job-000007".into(),
             stage: 1,
             task: 2,
             output: 0,
         };
-        let err = PeerClient::new()
-            .fetch(&address, &key, "")
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("could not send partition job-000007/1/2/0")
-                && err.contains("the stream ended after"),
-            "{err}"
-        );
+        let stream_bytes: u64 = chunks(ipc_segments_of(10))
+            .iter()
+            .map(|c| c.ipc.len() as u64)
+            .sum();
+        // One byte more than sent, and an absurd announcement (nothing is reserved for it).
+        for announced in [stream_bytes + 1, u64::MAX] {
+            let address = serve(ShortPeer { announced }).await;
+            let err = PeerClient::new()
+                .fetch(&address, &key, "")
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("could not send partition job-000007/1/2/0")
+                    && err.contains(&format!(
+                        "the stream ended after {stream_bytes} of the {announced} bytes"
+                    )),
+                "{err}"
+            );
+        }
     }
 }
