@@ -552,7 +552,16 @@ mod tests {
     }
 
     /// Runs every task dispatch hands out until none is left, each output `bytes` big.
-    fn run_all(state: &mut State, mut out: Outgoing, bytes: u64) {
+    fn run_all(state: &mut State, out: Outgoing, bytes: u64) {
+        run_all_with(state, out, |state, task| finish(state, task, bytes));
+    }
+
+    /// Runs every task dispatch hands out until none is left, each reported by `finish`.
+    fn run_all_with(
+        state: &mut State,
+        mut out: Outgoing,
+        mut finish: impl FnMut(&mut State, &AssignTask) -> Outgoing,
+    ) {
         loop {
             let started = assigned(&out);
             if started.is_empty() {
@@ -560,7 +569,7 @@ mod tests {
             }
             out = Vec::new();
             for task in &started {
-                out.extend(finish(state, task, bytes));
+                out.extend(finish(state, task));
             }
         }
     }
@@ -659,17 +668,10 @@ mod tests {
         let mut state = State::new();
         let a = add_worker(&mut state, "a", 1);
         submit(&mut state, T, producer(partitions, "d")).unwrap();
-        let mut out = state.dispatch();
-        loop {
-            let started = assigned(&out);
-            if started.is_empty() {
-                break;
-            }
-            out = Vec::new();
-            for task in &started {
-                out.extend(finish_after(&mut state, task, bytes, duration_us));
-            }
-        }
+        let out = state.dispatch();
+        run_all_with(&mut state, out, |state, task| {
+            finish_after(state, task, bytes, duration_us)
+        });
         let b = add_worker(&mut state, "b", 1);
         (state, [a, b])
     }
@@ -733,17 +735,10 @@ mod tests {
         // take 2 ms, which a first reading job teaches the scheduler.
         let (mut state, _inboxes) = dataset_on_a(4, 100_000_000, 200_000);
         submit(&mut state, T, reader("d")).unwrap();
-        let mut out = state.dispatch();
-        loop {
-            let started = assigned(&out);
-            if started.is_empty() {
-                break;
-            }
-            out = Vec::new();
-            for task in &started {
-                out.extend(finish_after(&mut state, task, 10, 2_000));
-            }
-        }
+        let out = state.dispatch();
+        run_all_with(&mut state, out, |state, task| {
+            finish_after(state, task, 10, 2_000)
+        });
         submit(&mut state, T, reader("d")).unwrap();
         let out = state.dispatch();
         let started = assigned(&out);
