@@ -115,32 +115,33 @@ fn pack_avx2<T: Copy, F: Fn(T) -> bool>(values: &[T], keep: &F, words: &mut Muta
 
 #[inline(always)]
 fn pack_words<T: Copy, F: Fn(T) -> bool>(values: &[T], keep: &F, words: &mut MutableBuffer) {
+    // Whole words apart from the tail, so that the compiler sees 64 values a word.
     let chunks = values.chunks_exact(64);
     let rest = chunks.remainder();
     for chunk in chunks {
-        let mut word = 0u64;
-        for (i, &v) in chunk.iter().enumerate() {
-            word |= u64::from(keep(v)) << i;
-        }
-        words.push(word);
+        words.push(pack_word(chunk, keep));
     }
     if !rest.is_empty() {
-        let mut word = 0u64;
-        for (i, &v) in rest.iter().enumerate() {
-            word |= u64::from(keep(v)) << i;
-        }
-        words.push(word);
+        words.push(pack_word(rest, keep));
     }
+}
+
+/// The bits of up to 64 values.
+#[inline(always)]
+fn pack_word<T: Copy, F: Fn(T) -> bool>(values: &[T], keep: &F) -> u64 {
+    let mut word = 0u64;
+    for (i, &v) in values.iter().enumerate() {
+        word |= u64::from(keep(v)) << i;
+    }
+    word
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
 
-    use arrow::array::{Float64Array, Int32Array, UInt64Array};
+    use arrow::array::{ArrayRef, Float64Array, Int32Array, UInt64Array};
     use arrow::compute::kernels::cmp;
-
-    use arrow::array::ArrayRef;
 
     use super::*;
 
