@@ -7,6 +7,7 @@ pub(crate) mod compare;
 pub(crate) mod compress;
 pub mod dictionary;
 pub mod eval;
+pub mod filter;
 pub(crate) mod fused;
 pub(crate) mod hash_index;
 pub mod join;

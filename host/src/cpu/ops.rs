@@ -16,6 +16,7 @@ use arrow::row::{RowConverter, SortField};
 
 use crate::expr::{Expr, ExprError, column_list};
 
+pub use super::filter::filter;
 use super::{eval, keys};
 
 /// Why a table operator cannot run.
@@ -67,12 +68,6 @@ pub fn select(batch: &RecordBatch, columns: &[String]) -> Result<RecordBatch, Op
         .map(|name| column_index(batch, "select", name))
         .collect::<Result<Vec<_>, _>>()?;
     batch.project(&indices).map_err(arrow_err("select"))
-}
-
-/// The rows where `predicate` is true.
-pub fn filter(batch: &RecordBatch, predicate: &Expr) -> Result<RecordBatch, OpError> {
-    let mask = eval::evaluate_predicate(predicate, batch)?;
-    super::pooled::filter_batch(batch, &mask).map_err(arrow_err("filter"))
 }
 
 /// Adds or replaces columns, every expression evaluated against the input batch.

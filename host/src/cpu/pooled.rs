@@ -1,30 +1,25 @@
-//! Concatenation and filtering of fixed-width columns into the process's reusable blocks
-//! (`memory::buffers`) instead of fresh allocations.
+//! Concatenation and widening of fixed-width columns into the process's reusable blocks
+//! (`memory::buffers`) instead of fresh allocations (the filter's are in [`super::filter`]).
 //!
-//! Reading a partition concatenates its decoded batches, and a filter copies the rows it keeps:
-//! both write one large buffer per column, and a fresh one faults in (and the kernel zeroes)
-//! every page on first touch, which `perf` put at a fifth of the scan query. A block a previous
-//! column gave back is already resident. Other types (strings, lists...) use Arrow's kernels.
+//! Reading a partition concatenates its decoded batches into one large buffer per column, and a
+//! fresh one faults in (and the kernel zeroes) every page on first touch, which `perf` put at a
+//! fifth of the scan query. A block a previous column gave back is already resident. Other
+//! types (strings, lists...) use Arrow's kernels.
 
 use std::sync::Arc;
 
 use arrow::array::{
-    Array, ArrayRef, ArrowPrimitiveType, AsArray, BooleanArray, BooleanBufferBuilder, Int64Array,
-    PrimitiveArray, RecordBatch, RecordBatchOptions, downcast_primitive,
+    Array, ArrayRef, ArrowPrimitiveType, AsArray, BooleanBufferBuilder, Int64Array, PrimitiveArray,
+    RecordBatch, RecordBatchOptions, downcast_primitive,
 };
-use arrow::buffer::{BooleanBuffer, NullBuffer};
-use arrow::compute::{self, FilterBuilder};
+use arrow::buffer::NullBuffer;
+use arrow::compute;
 use arrow::datatypes::{
     DataType, Int8Type, Int16Type, Int32Type, SchemaRef, UInt8Type, UInt16Type, UInt32Type,
 };
 use arrow::error::ArrowError;
 
-use super::compress;
 use crate::memory::buffers::{self, PooledVec};
-
-/// Above this share of rows kept, a filter copies runs of kept rows rather than one row at a
-/// time (Arrow's own filter switches at the same point).
-const RUNS_ABOVE_SELECTIVITY: f64 = 0.8;
 
 /// Concatenates arrays of one type.
 pub fn concat(arrays: &[&dyn Array]) -> Result<ArrayRef, ArrowError> {
@@ -258,84 +253,6 @@ pub fn widen_to_i64(array: &dyn Array) -> Option<Int64Array> {
     })
 }
 
-/// The rows of `batch` where `mask` is true (null counts as false).
-pub fn filter_batch(batch: &RecordBatch, mask: &BooleanArray) -> Result<RecordBatch, ArrowError> {
-    let selected = match mask.nulls() {
-        Some(nulls) if nulls.null_count() > 0 => mask.values() & nulls.inner(),
-        _ => mask.values().clone(),
-    };
-    let kept = selected.count_set_bits();
-    // Arrow's filter, for the columns that need it: built once, only if one does.
-    let predicate = std::cell::OnceCell::new();
-    let arrow_filter = |array: &dyn Array| {
-        predicate
-            .get_or_init(|| {
-                FilterBuilder::new(&BooleanArray::new(selected.clone(), None))
-                    .optimize()
-                    .build()
-            })
-            .filter(array)
-    };
-    let columns = batch
-        .columns()
-        .iter()
-        .map(|column| filter_column(column, &selected, kept, &arrow_filter))
-        .collect::<Result<Vec<_>, _>>()?;
-    RecordBatch::try_new_with_options(
-        batch.schema(),
-        columns,
-        &RecordBatchOptions::new().with_row_count(Some(kept)),
-    )
-}
-
-fn filter_column(
-    column: &ArrayRef,
-    selected: &BooleanBuffer,
-    kept: usize,
-    arrow_filter: &dyn Fn(&dyn Array) -> Result<ArrayRef, ArrowError>,
-) -> Result<ArrayRef, ArrowError> {
-    macro_rules! primitive {
-        ($t:ty, $column:expr) => {
-            filter_primitive::<$t>($column, selected, kept, arrow_filter)
-        };
-    }
-    downcast_primitive! {
-        column.data_type() => (primitive, column),
-        _ => arrow_filter(column.as_ref()),
-    }
-}
-
-fn filter_primitive<T: ArrowPrimitiveType>(
-    column: &ArrayRef,
-    selected: &BooleanBuffer,
-    kept: usize,
-    arrow_filter: &dyn Fn(&dyn Array) -> Result<ArrayRef, ArrowError>,
-) -> Result<ArrayRef, ArrowError> {
-    let values = column.as_primitive::<T>().values();
-    let mut out = PooledVec::<T::Native>::with_capacity(buffers::global(), kept + compress::SLACK);
-    if let Some(written) = compress::compress_8byte(values, selected, out.spare_capacity_mut()) {
-        // SAFETY: `compress_8byte` wrote the first `written` items of the spare room.
-        unsafe { out.set_len(written) };
-    } else if kept as f64 > selected.len() as f64 * RUNS_ABOVE_SELECTIVITY {
-        for (start, end) in selected.set_slices() {
-            out.extend_from_slice(&values[start..end]);
-        }
-    } else {
-        out.extend(selected.set_indices().map(|i| values[i]));
-    }
-    let nulls = match column.nulls() {
-        Some(nulls) if nulls.null_count() > 0 => {
-            let validity = arrow_filter(&BooleanArray::new(nulls.inner().clone(), None))?;
-            Some(NullBuffer::new(validity.as_boolean().values().clone()))
-        }
-        _ => None,
-    };
-    Ok(Arc::new(
-        PrimitiveArray::<T>::new(out.into_scalar_buffer(), nulls)
-            .with_data_type(column.data_type().clone()),
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -416,28 +333,5 @@ mod tests {
             assert_eq!(&widened, cast.as_primitive::<arrow::datatypes::Int64Type>());
         }
         assert!(widen_to_i64(&StringArray::from(vec!["a"])).is_none());
-    }
-
-    #[test]
-    fn filtering_matches_arrows_kernel_for_sparse_dense_and_null_masks() {
-        let rows = 200_000;
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("x", DataType::Float64, true),
-            Field::new("s", DataType::Utf8, false),
-        ]));
-        let x = Float64Array::from_iter((0..rows).map(|i| (i % 7 != 0).then_some(i as f64)));
-        let s = StringArray::from_iter_values((0..rows).map(|i| format!("v{i}")));
-        let batch = RecordBatch::try_new(schema, vec![Arc::new(x), Arc::new(s)]).unwrap();
-        let masks = [
-            BooleanArray::from_iter((0..rows).map(|i| Some(i % 3 == 0))),
-            BooleanArray::from_iter((0..rows).map(|i| Some(i % 10 != 0))),
-            BooleanArray::from_iter((0..rows).map(|i| (i % 5 != 0).then_some(i % 2 == 0))),
-            BooleanArray::from(vec![false; rows]),
-        ];
-        for mask in &masks {
-            let ours = filter_batch(&batch, mask).unwrap();
-            let arrows = compute::filter_record_batch(&batch, mask).unwrap();
-            assert_eq!(ours, arrows);
-        }
     }
 }

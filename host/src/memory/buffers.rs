@@ -245,6 +245,33 @@ impl<T: ArrowNativeType> PooledVec<T> {
         self.len() == 0
     }
 
+    /// How many items fit before the vector must move.
+    pub fn capacity(&self) -> usize {
+        match &self.storage {
+            Storage::Plain(v) => v.capacity(),
+            Storage::Pooled { capacity, .. } => *capacity,
+        }
+    }
+
+    /// Makes room for at least `additional` more items. A pooled vector that outgrows its block
+    /// moves its items to a block of the new size and gives the old block back to the pool.
+    pub fn reserve(&mut self, additional: usize) {
+        let needed = self.len().saturating_add(additional);
+        if needed <= self.capacity() {
+            return;
+        }
+        let pool = match &mut self.storage {
+            Storage::Plain(v) => return v.reserve(additional),
+            Storage::Pooled { pool, .. } => pool.clone(),
+        };
+        let mut larger = PooledVec::with_capacity(&pool, needed);
+        larger.extend_from_slice(self.as_slice());
+        if let Storage::Pooled { block, .. } = std::mem::replace(&mut self.storage, larger.storage)
+        {
+            pool.give_back(block);
+        }
+    }
+
     /// Appends `items`; outgrowing a pooled block moves the items to a plain `Vec`.
     pub fn extend_from_slice(&mut self, items: &[T]) {
         if let Storage::Pooled {
@@ -505,6 +532,28 @@ mod tests {
         let buffer = values.into_scalar_buffer();
         assert_eq!(buffer.len(), 30_000);
         assert!(buffer.iter().enumerate().all(|(i, v)| *v == i as i32));
+    }
+
+    #[test]
+    fn reserving_past_a_block_moves_the_items_to_a_larger_block() {
+        let pool = Arc::new(BufferPool::with_limit(64 << 20));
+        let mut values = PooledVec::<u64>::with_capacity(&pool, 10_000);
+        values.extend(0..10_000);
+        let before = values.capacity();
+        values.reserve(before - values.len());
+        assert_eq!(values.capacity(), before, "room enough already");
+        values.reserve(100_000);
+        assert!(values.capacity() >= 110_000);
+        assert_eq!(pool.stats().allocated, 2, "a second, larger block");
+        assert!(
+            pool.stats().cached_bytes >= 80_000,
+            "the first block is back in the pool"
+        );
+        values.extend(10_000..110_000);
+        let buffer = values.into_scalar_buffer();
+        assert!(buffer.iter().enumerate().all(|(i, v)| *v == i as u64));
+        drop(buffer);
+        assert!(pool.stats().cached_bytes >= 80_000 + 110_000 * 8);
     }
 
     #[test]
