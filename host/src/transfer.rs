@@ -1,10 +1,16 @@
 //! Peer-to-peer partition transfer: the `Worker` gRPC service every worker serves, and the client
 //! that peers (and `wrk submit`, for results) use to fetch a partition straight from the worker
 //! holding it. Partitions travel as Arrow IPC streams cut into chunks.
+//!
+//! The client also measures the rate its large fetches move at; workers report it in their
+//! heartbeats, and the scheduler weighs moving a task's inputs against waiting for the worker
+//! that holds them by it (Dask's `bandwidth`).
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use arrow::buffer::Buffer;
 use bytes::{Bytes, BytesMut};
@@ -32,6 +38,10 @@ const MAX_FRAME_BYTES: u32 = (1 << 24) - 1;
 /// Segments of an IPC stream shorter than this are copied into a chunk with their neighbours;
 /// longer ones go out as slices of the table's own buffer.
 const COPIED_SEGMENT_BYTES: usize = 64 << 10;
+/// Fetches smaller than this say more about latency than about bandwidth: not measured.
+const MEASURED_FETCH_BYTES: usize = 1 << 20;
+/// The weight of the latest large fetch in the measured rate.
+const RATE_WEIGHT: f64 = 0.2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {
@@ -170,6 +180,38 @@ fn chunks(segments: Vec<Buffer>) -> Vec<DataChunk> {
 pub struct PeerClient {
     channels: Arc<Mutex<HashMap<String, Channel>>>,
     metrics: Option<WorkerMetrics>,
+    rate: Arc<TransferRate>,
+}
+
+/// The bytes per second of large fetches, smoothed; 0 (as `f64` bits) until one is measured.
+#[derive(Default)]
+struct TransferRate {
+    bits: AtomicU64,
+}
+
+impl TransferRate {
+    fn observe(&self, bytes: usize, elapsed: Duration) {
+        if bytes < MEASURED_FETCH_BYTES || elapsed.is_zero() {
+            return;
+        }
+        let sample = bytes as f64 / elapsed.as_secs_f64();
+        // Concurrent fetches may update it at once; either order is a fine average.
+        let _ = self
+            .bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let rate = f64::from_bits(bits);
+                let next = if rate > 0.0 {
+                    rate + (sample - rate) * RATE_WEIGHT
+                } else {
+                    sample
+                };
+                Some(next.to_bits())
+            });
+    }
+
+    fn bytes_per_second(&self) -> Option<f64> {
+        Some(f64::from_bits(self.bits.load(Ordering::Relaxed))).filter(|rate| *rate > 0.0)
+    }
 }
 
 impl PeerClient {
@@ -182,7 +224,14 @@ impl PeerClient {
         PeerClient {
             channels: Arc::default(),
             metrics: Some(metrics),
+            rate: Arc::default(),
         }
+    }
+
+    /// The rate this client's fetches of a megabyte or more moved at (smoothed, the latest
+    /// weighing a fifth); None before the first.
+    pub fn transfer_bytes_per_second(&self) -> Option<f64> {
+        self.rate.bytes_per_second()
     }
 
     async fn channel(&self, address: &str) -> Result<Channel, TransferError> {
@@ -237,6 +286,7 @@ impl PeerClient {
                 .map_err(|_| fetch_err("the partition's ticket is not valid metadata".into()))?;
             request.metadata_mut().insert(TICKET_METADATA, value);
         }
+        let started = Instant::now();
         let mut stream = client
             .fetch_partition(request)
             .await
@@ -270,6 +320,7 @@ impl PeerClient {
                 received.len()
             )));
         }
+        self.rate.observe(received.len(), started.elapsed());
         if let Some(metrics) = &self.metrics {
             metrics.count_transfer("fetched", received.len());
         }
@@ -425,11 +476,25 @@ mod tests {
             .insert(PartitionId::from(&key), Table::new(big.clone()));
         let address = serve(service).await;
         let ticket = partition_ticket(b"cluster-secret", &key);
-        let fetched = PeerClient::new()
-            .fetch(&address, &key, &ticket)
-            .await
-            .unwrap();
+        let client = PeerClient::new();
+        let fetched = client.fetch(&address, &key, &ticket).await.unwrap();
         assert_eq!(fetched.batch(), &big, "24 MB in 6 chunks");
+        let rate = client.transfer_bytes_per_second().unwrap();
+        assert!(rate > 1e6 && rate.is_finite(), "{rate} bytes/s");
+    }
+
+    #[test]
+    fn only_large_fetches_count_toward_the_rate_and_the_latest_weighs_a_fifth() {
+        let rate = TransferRate::default();
+        rate.observe(64 << 10, Duration::from_millis(1));
+        assert_eq!(rate.bytes_per_second(), None, "a small fetch is latency");
+        rate.observe(100_000_000, Duration::from_millis(100));
+        assert_eq!(rate.bytes_per_second(), Some(1e9));
+        rate.observe(100_000_000, Duration::from_millis(50));
+        let smoothed = rate.bytes_per_second().unwrap();
+        assert!((smoothed - 1.2e9).abs() < 1.0, "{smoothed}");
+        rate.observe(100_000_000, Duration::ZERO);
+        assert_eq!(rate.bytes_per_second(), Some(smoothed));
     }
 
     /// A peer that announces one length and sends another.

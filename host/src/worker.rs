@@ -380,6 +380,7 @@ pub async fn run_retirable(
             _ = heartbeat.tick() => {
                 let beat = Heartbeat {
                     gpu: device.sample().await,
+                    transfer_bytes_per_second: shared.peers.transfer_bytes_per_second(),
                     ..heartbeat_of(
                         &shared.store.stats(),
                         shared.running.load(std::sync::atomic::Ordering::Relaxed),
@@ -506,10 +507,12 @@ async fn serve_metrics(
     Ok((server, bound))
 }
 
-/// What a heartbeat tells the scheduler about this worker (its device's telemetry apart).
+/// What a heartbeat tells the scheduler about this worker's store (its device's telemetry and
+/// fetch rate apart).
 fn heartbeat_of(stats: &StoreStats, running_tasks: u32) -> Heartbeat {
     Heartbeat {
         gpu: None,
+        transfer_bytes_per_second: None,
         pool_used_bytes: stats.pool.used,
         running_tasks,
         partitions: stats.partitions,

@@ -25,6 +25,7 @@ pub struct SchedulerMetrics {
     pub jobs: IntGaugeVec,
     pub worker_memory_used: IntGaugeVec,
     pub worker_assigned: IntGaugeVec,
+    pub transfer_bytes_per_second: IntGauge,
 }
 
 /// Registers a metric whose definition is fixed in this file: failure is a programming error
@@ -124,6 +125,10 @@ impl Default for SchedulerMetrics {
                 "worker_assigned_tasks",
                 "Tasks assigned to each worker, running or queued there",
                 &["worker"],
+            ),
+            transfer_bytes_per_second: gauge(
+                "transfer_bytes_per_second",
+                "The rate placement assumes partitions move between workers at: the mean of the workers' measured fetch rates (1 GB/s until one is measured)",
             ),
             names: names.into_inner(),
             registry,

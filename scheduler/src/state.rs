@@ -39,7 +39,7 @@ mod views;
 
 use assignments::Assignments;
 pub use datasets::Read;
-use locality::{DurationHistory, Locality};
+use locality::{DurationHistory, Locality, TransferRate};
 use queue::ReadyQueue;
 
 pub use views::{
@@ -330,6 +330,8 @@ pub struct State {
     workers: HashMap<String, Worker>,
     /// Mean task durations per module and stage name across jobs, for placement.
     durations: DurationHistory,
+    /// The rate partitions move between workers at, for placement.
+    transfer_rate: TransferRate,
     jobs: HashMap<u64, Job>,
     job_ids: HashMap<String, u64>,
     modules: HashMap<String, StoredModule>,
@@ -854,6 +856,7 @@ impl State {
 
     pub fn heartbeat(&mut self, worker_id: &str, beat: &wrk_proto::Heartbeat) {
         let now_us = self.clock.now_us();
+        let workers = self.workers.len();
         if let Some(worker) = self.workers.get_mut(worker_id) {
             worker.last_seen = Instant::now();
             worker.pool_used_bytes = beat.pool_used_bytes;
@@ -866,6 +869,12 @@ impl State {
                 worker.gpu_telemetry = beat.gpu;
             }
             worker.memory.sample(now_us, beat.pool_used_bytes);
+            if let Some(rate) = beat.transfer_bytes_per_second {
+                self.transfer_rate.observe(rate, workers);
+            }
+            self.metrics
+                .transfer_bytes_per_second
+                .set(self.transfer_rate.bytes_per_second() as i64);
         }
     }
 

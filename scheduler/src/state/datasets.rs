@@ -730,6 +730,34 @@ mod tests {
     }
 
     #[test]
+    fn the_rate_workers_measure_decides_between_moving_and_waiting() {
+        // The same 50 MB partitions and 20 ms tasks as above, which the assumed 1 GB/s splits
+        // two on `a`, one on `b`.
+        let placements = |bytes_per_second: f64| {
+            let (mut state, _inboxes) = dataset_on_a(4, 50_000_000, 20_000);
+            let beat = wrk_proto::Heartbeat {
+                transfer_bytes_per_second: Some(bytes_per_second),
+                ..Default::default()
+            };
+            for _ in 0..50 {
+                state.heartbeat("a", &beat);
+                state.heartbeat("b", &beat);
+            }
+            submit(&mut state, T, reader("d")).unwrap();
+            let out = state.dispatch();
+            assert_eq!(retracts(&out), 0);
+            placed_on(&state, &assigned(&out))
+        };
+        let on_b = |placed: &[String]| placed.iter().filter(|w| *w == "b").count();
+        // 100 MB/s: half a second to move a partition, so every reader waits for `a`.
+        let slow = placements(1e8);
+        assert_eq!(on_b(&slow), 0, "{slow:?}");
+        // 10 GB/s: 5 ms, less than one task ahead on `a`, so the readers split evenly.
+        let fast = placements(1e10);
+        assert_eq!((fast.len(), on_b(&fast)), (4, 2), "{fast:?}");
+    }
+
+    #[test]
     fn a_new_job_is_placed_by_the_durations_of_the_same_stage_in_earlier_jobs() {
         // The partitions took 200 ms each to make, so `a`'s recent mean is long; the readers
         // take 2 ms, which a first reading job teaches the scheduler.

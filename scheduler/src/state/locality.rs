@@ -3,7 +3,7 @@
 //!
 //! Like Dask's `decide_worker`, a placement compares the time the tasks queued ahead of a task
 //! on the worker holding its inputs should take with the time its inputs would take to move
-//! ([`TRANSFER_BYTES_PER_SECOND`]). Tasks are expected to last as long as the finished tasks
+//! ([`TransferRate`]: what the workers measure of their fetches). Tasks are expected to last as long as the finished tasks
 //! of their stage in the same job; before one has finished, as long as the tasks of the same
 //! module and stage name in earlier jobs (Dask's task-prefix durations); failing both, the
 //! worker's recent mean.
@@ -12,9 +12,14 @@ use std::collections::HashMap;
 
 use super::{Job, State, TaskRef, TaskStatus, Worker, output_bytes};
 
-/// The rate a placement assumes a partition moves between workers at. A peer fetch moves
-/// about 2 GB/s over loopback here; 1 GB/s stands for a 10 GbE link.
-const TRANSFER_BYTES_PER_SECOND: f64 = 1e9;
+/// The rate a placement assumes partitions move between workers at until a worker has
+/// measured one. A peer fetch moves about 2 GB/s over loopback here; 1 GB/s stands for a 10 GbE
+/// link.
+const ASSUMED_BYTES_PER_SECOND: f64 = 1e9;
+
+/// Reported rates are held within these bounds (a worker's clock or a bug cannot make moving
+/// data look free or impossible).
+const REPORTED_BYTES_PER_SECOND: std::ops::RangeInclusive<f64> = 1e6..=1e12;
 
 /// The weight of the latest job's tasks in a stage's duration across jobs.
 const HISTORY_WEIGHT: f64 = 0.5;
@@ -22,9 +27,43 @@ const HISTORY_WEIGHT: f64 = 0.5;
 /// Module-and-stage pairs remembered; past this the history starts again.
 const HISTORY_ENTRIES: usize = 4096;
 
-/// Seconds to move `bytes` between workers at [`TRANSFER_BYTES_PER_SECOND`].
-pub(super) fn transfer_seconds(bytes: u64) -> f64 {
-    bytes as f64 / TRANSFER_BYTES_PER_SECOND
+/// The rate partitions move between workers at, as the workers measure their fetches and
+/// report in heartbeats (Dask's `bandwidth`): a running mean over the reports, each weighing
+/// one part in (workers + 1), so that it follows the workers' mean rate.
+#[derive(Debug)]
+pub(super) struct TransferRate {
+    bytes_per_second: f64,
+}
+
+impl Default for TransferRate {
+    fn default() -> Self {
+        TransferRate {
+            bytes_per_second: ASSUMED_BYTES_PER_SECOND,
+        }
+    }
+}
+
+impl TransferRate {
+    /// Counts a rate one of `workers` workers reported.
+    pub(super) fn observe(&mut self, reported: f64, workers: usize) {
+        if !reported.is_finite() {
+            return;
+        }
+        let reported = reported.clamp(
+            *REPORTED_BYTES_PER_SECOND.start(),
+            *REPORTED_BYTES_PER_SECOND.end(),
+        );
+        self.bytes_per_second += (reported - self.bytes_per_second) / (workers as f64 + 1.0);
+    }
+
+    pub(super) fn bytes_per_second(&self) -> f64 {
+        self.bytes_per_second
+    }
+
+    /// Seconds to move `bytes` between workers.
+    pub(super) fn seconds(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.bytes_per_second
+    }
 }
 
 /// Where a task's inputs say it should go ([`State::locality`]).
@@ -115,7 +154,7 @@ impl State {
         if w.has_open_slot() {
             return Locality::Place(id.to_string());
         }
-        let transfer = transfer_seconds(bytes);
+        let transfer = self.transfer_rate.seconds(bytes);
         let set_aside = waiting.get(id).copied().unwrap_or(0) as f64
             * self
                 .expected_seconds(task.job, task.stage)
@@ -192,8 +231,28 @@ mod tests {
     }
 
     #[test]
-    fn transfers_are_timed_at_the_assumed_rate() {
-        assert_eq!(transfer_seconds(0), 0.0);
-        assert!((transfer_seconds(500_000_000) - 0.5).abs() < 1e-12);
+    fn transfers_are_timed_at_the_mean_of_the_reported_rates() {
+        let mut rate = TransferRate::default();
+        assert_eq!(rate.seconds(0), 0.0);
+        assert!((rate.seconds(500_000_000) - 0.5).abs() < 1e-12, "assumed");
+        // Two workers, reporting 100 MB/s and 300 MB/s heartbeat after heartbeat.
+        for _ in 0..200 {
+            rate.observe(1e8, 2);
+            rate.observe(3e8, 2);
+        }
+        let mean = rate.bytes_per_second();
+        assert!((1.5e8..2.5e8).contains(&mean), "{mean}");
+        // Nonsense is bounded or ignored.
+        rate.observe(f64::NAN, 2);
+        assert_eq!(rate.bytes_per_second(), mean);
+        for _ in 0..200 {
+            rate.observe(0.0, 1);
+        }
+        assert!(rate.bytes_per_second() >= 1e6);
+        for _ in 0..200 {
+            rate.observe(f64::INFINITY, 1);
+            rate.observe(1e300, 1);
+        }
+        assert!(rate.bytes_per_second() <= 1e12);
     }
 }

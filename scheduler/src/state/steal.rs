@@ -27,7 +27,6 @@
 use wrk_proto::scheduler_message::Kind as ToWorker;
 use wrk_proto::{Retract, Retracted, TaskId};
 
-use super::locality::transfer_seconds;
 use super::{
     Assignments, Outgoing, State, TaskRef, TaskStatus, expected_bytes, message, sync_usage,
 };
@@ -135,7 +134,7 @@ impl State {
                         .get(id.as_str())
                         .copied()
                         .unwrap_or(0);
-                    let transfer = transfer_seconds(held);
+                    let transfer = self.transfer_rate.seconds(held);
                     let worth_moving = held == 0
                         || self
                             .wait_seconds(victim, Some(order), 0.0, transfer)
