@@ -2206,15 +2206,20 @@ mod tests {
         state.result(T, id).unwrap().state()
     }
 
-    /// Reports `task` done by its worker after running for `duration_us`.
-    fn finish_after(state: &mut State, task: &AssignTask, duration_us: u64) -> Outgoing {
+    /// Reports `task` done by its worker: one output of `bytes`, after `duration_us`.
+    pub(super) fn finish_after(
+        state: &mut State,
+        task: &AssignTask,
+        bytes: u64,
+        duration_us: u64,
+    ) -> Outgoing {
         let worker = worker_of(state, task);
         let done = TaskDone {
             stats: Some(TaskStats {
                 duration_us,
                 ..Default::default()
             }),
-            ..done(task, 1)
+            ..done(task, bytes)
         };
         state.task_done(&worker, done)
     }
@@ -2227,15 +2232,18 @@ mod tests {
         let first = assigned(&state.dispatch());
         assert_eq!(first.len(), 4, "two slots and one queued task each");
         // A task of 1 ms: three queued per slot, so room for five more beside the other three.
-        let more = assigned(&finish_after(&mut state, &first[0], 1000));
+        let more = assigned(&finish_after(&mut state, &first[0], 1, 1000));
         assert_eq!(more.len(), 5, "eight held in all");
         // A task of one second: back to one queued per slot; seven still held, none added.
-        assert!(assigned(&finish_after(&mut state, &first[1], 1_000_000)).is_empty());
+        assert!(assigned(&finish_after(&mut state, &first[1], 1, 1_000_000)).is_empty());
         // Until the held tasks drop below four, finishing short ones adds nothing.
         for task in [&first[2], &first[3], &more[0]] {
-            assert!(assigned(&finish_after(&mut state, task, 1000)).is_empty());
+            assert!(assigned(&finish_after(&mut state, task, 1, 1000)).is_empty());
         }
-        assert_eq!(assigned(&finish_after(&mut state, &more[1], 1000)).len(), 1);
+        assert_eq!(
+            assigned(&finish_after(&mut state, &more[1], 1, 1000)).len(),
+            1
+        );
     }
 
     #[test]
@@ -2246,10 +2254,10 @@ mod tests {
         let first = assigned(&state.dispatch());
         assert_eq!(first.len(), 4);
         // A task of 100 us: eight queued per slot, room for fifteen more beside the other three.
-        let more = assigned(&finish_after(&mut state, &first[0], 100));
+        let more = assigned(&finish_after(&mut state, &first[0], 1, 100));
         assert_eq!(more.len(), 15, "eighteen held in all");
         // One long task: back to one queued per slot at once.
-        assert!(assigned(&finish_after(&mut state, &first[1], 1_000_000)).is_empty());
+        assert!(assigned(&finish_after(&mut state, &first[1], 1, 1_000_000)).is_empty());
         assert_eq!(state.workers["a"].capacity(), 4);
     }
 

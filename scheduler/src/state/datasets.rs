@@ -510,7 +510,9 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{Inbox, T, add_worker, assigned, finish, job_state, worker_of};
+    use super::super::tests::{
+        Inbox, T, add_worker, assigned, finish, finish_after, job_state, worker_of,
+    };
     use super::*;
     use wrk_proto::scheduler_message::Kind as ToWorker;
     use wrk_proto::{AssignTask, PartitionsFetched, Stage, task_input};
@@ -639,27 +641,6 @@ mod tests {
         run_all(&mut state, out, 10);
         assert_eq!(job_state(&state, &read), JobState::Succeeded);
         assert_eq!(state.datasets(T).datasets[0].partitions, 4);
-    }
-
-    /// Reports `task` done by its worker: one output of `bytes`, after `duration_us`.
-    fn finish_after(
-        state: &mut State,
-        task: &AssignTask,
-        bytes: u64,
-        duration_us: u64,
-    ) -> Outgoing {
-        let worker = worker_of(state, task);
-        state.task_done(
-            &worker,
-            wrk_proto::TaskDone {
-                task: task.task.clone(),
-                outputs: vec![wrk_proto::OutputMeta { rows: 1, bytes }],
-                stats: Some(wrk_proto::TaskStats {
-                    duration_us,
-                    ..Default::default()
-                }),
-            },
-        )
     }
 
     /// Runs a persisting job of `partitions` tasks on `a` alone, each output `bytes` big and
