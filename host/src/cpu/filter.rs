@@ -22,7 +22,7 @@ use arrow::compute::{FilterBuilder, FilterPredicate};
 use arrow::datatypes::DataType;
 use arrow::error::ArrowError;
 
-use super::ops::OpError;
+use super::ops::{OpError, arrow_err};
 use super::{compress, eval};
 use crate::expr::Expr;
 use crate::memory::buffers::{self, PooledVec};
@@ -39,6 +39,7 @@ const RUNS_ABOVE_SELECTIVITY: f64 = 0.8;
 pub fn filter(batch: &RecordBatch, predicate: &Expr) -> Result<RecordBatch, OpError> {
     let rows = batch.num_rows();
     let mut selected = BooleanBufferBuilder::new(rows);
+    let mut kept_rows_in_all = 0;
     let mut compactors: Option<Vec<Option<Box<dyn Compactor>>>> = None;
     let mut start = 0;
     // One block at least, so that an empty batch still checks the predicate.
@@ -61,14 +62,13 @@ pub fn filter(batch: &RecordBatch, predicate: &Expr) -> Result<RecordBatch, OpEr
             }
         }
         selected.append_buffer(&mask);
+        kept_rows_in_all += kept;
         start += len;
         if start >= rows {
             break;
         }
     }
-    let selected = selected.finish();
-    let kept = selected.count_set_bits();
-    let whole = WholeMask::new(selected);
+    let whole = WholeMask::new(selected.finish());
     let columns = batch
         .columns()
         .iter()
@@ -88,19 +88,13 @@ pub fn filter(batch: &RecordBatch, predicate: &Expr) -> Result<RecordBatch, OpEr
             None => whole.apply(column.as_ref()),
         })
         .collect::<Result<Vec<_>, ArrowError>>()
-        .map_err(|source| OpError::Arrow {
-            operator: "filter",
-            source,
-        })?;
+        .map_err(arrow_err("filter"))?;
     RecordBatch::try_new_with_options(
         batch.schema(),
         columns,
-        &RecordBatchOptions::new().with_row_count(Some(kept)),
+        &RecordBatchOptions::new().with_row_count(Some(kept_rows_in_all)),
     )
-    .map_err(|source| OpError::Arrow {
-        operator: "filter",
-        source,
-    })
+    .map_err(arrow_err("filter"))
 }
 
 /// The mask's true bits, its nulls counted as false.

@@ -42,7 +42,9 @@ pub enum OpError {
     },
 }
 
-fn arrow_err(operator: &'static str) -> impl FnOnce(arrow::error::ArrowError) -> OpError {
+pub(super) fn arrow_err(
+    operator: &'static str,
+) -> impl FnOnce(arrow::error::ArrowError) -> OpError {
     move |source| OpError::Arrow { operator, source }
 }
 
