@@ -59,9 +59,10 @@ impl WorkerDevice {
                 tracing::info!("the worker uses the CPU backend: {reason}");
                 return Ok(WorkerDevice::Cpu);
             }
+            Selected::Emulated => return Self::start_emulated(config, metrics),
             Selected::Gpu(probed) => probed,
         };
-        let (ordinal, name) = (probed.ordinal, probed.name.clone());
+        let (ordinal, name) = (probed.identity.ordinal, probed.identity.name.clone());
         let unusable = |detail: String| DeviceError::Unusable {
             request,
             ordinal,
@@ -74,11 +75,7 @@ impl WorkerDevice {
         let transfers = Transfers::with_metrics(gpu_metrics.transfers.clone());
         let started = GpuRuntime::start(probed, config.pool_bytes, transfers)
             .map_err(|e: StartError| e.to_string())
-            .and_then(|runtime| {
-                selftest::run(&runtime)
-                    .map(|()| runtime)
-                    .map_err(|e| format!("the device self-test failed: {e}"))
-            });
+            .and_then(self_tested);
         let runtime = match started {
             Ok(runtime) => runtime,
             Err(detail) if request == DeviceRequest::Auto => {
@@ -99,44 +96,79 @@ impl WorkerDevice {
             }
         };
         let identity = telemetry.as_ref().map(|t| t.identity().clone());
-        let pool = runtime.pool.stats();
-        let (major, minor) = runtime.device.compute_capability;
-        let info = GpuInfo {
-            ordinal,
-            name: identity
-                .as_ref()
-                .map_or_else(|| runtime.device.name.clone(), |i| i.name.clone()),
-            uuid: identity
-                .as_ref()
-                .map_or_else(|| runtime.device.uuid.clone(), |i| i.uuid.clone()),
-            memory_total_bytes: runtime.device.total_memory,
-            compute_capability: format!("{major}.{minor}"),
-            mig_profile: identity.and_then(|i| i.mig_profile).unwrap_or_default(),
-            device_pool_bytes: pool.capacity,
+        let mut info = gpu_info(&runtime);
+        if let Some(identity) = identity {
+            info.name = identity.name;
+            info.uuid = identity.uuid;
+            info.mig_profile = identity.mig_profile.unwrap_or_default();
+        }
+        Ok(Self::gpu(runtime, info, telemetry, gpu_metrics))
+    }
+
+    /// The GPU backend on the CUDA emulator (`--device emulated-gpu`): the same start-up
+    /// (pool, kernels, self-test) and reports as a GPU worker, without NVML.
+    fn start_emulated(
+        config: &DeviceConfig,
+        metrics: &mut WorkerMetrics,
+    ) -> Result<WorkerDevice, DeviceError> {
+        let unusable = |detail: String| DeviceError::Unusable {
+            request: DeviceRequest::Emulated,
+            ordinal: 0,
+            name: crate::gpu::emulator::DEVICE_NAME.into(),
+            detail,
         };
+        if !crate::gpu::emulator::compiler_present() {
+            return Err(unusable(
+                "the emulator compiles its kernels with the host C++ compiler, and neither $CXX nor `c++` runs".into(),
+            ));
+        }
+        let gpu_metrics = metrics.register_gpu(0);
+        let transfers = Transfers::with_metrics(gpu_metrics.transfers.clone());
+        let runtime = GpuRuntime::emulated(config.pool_bytes, transfers)
+            .map_err(|e| e.to_string())
+            .and_then(self_tested)
+            .map_err(unusable)?;
+        tracing::warn!(
+            "the worker uses the CUDA emulator on the host CPU (--device emulated-gpu): GPU kernels run one CUDA thread at a time, for testing, not for speed"
+        );
+        let info = gpu_info(&runtime);
+        Ok(Self::gpu(runtime, info, None, gpu_metrics))
+    }
+
+    fn gpu(
+        runtime: Arc<GpuRuntime>,
+        info: GpuInfo,
+        telemetry: Option<Telemetry>,
+        gpu_metrics: GpuMetrics,
+    ) -> WorkerDevice {
+        let pool = runtime.pool.stats();
         gpu_metrics.observe_pool(pool.capacity, pool.used, pool.peak);
         tracing::info!(
-            gpu = ordinal,
+            gpu = info.ordinal,
             uuid = %info.uuid,
             mig_profile = %info.mig_profile,
             pool_bytes = pool.capacity,
-            "the worker uses GPU {ordinal}: {} (compute capability {}, {} MiB)",
+            "the worker uses GPU {}: {} (compute capability {}, {} MiB)",
+            info.ordinal,
             info.name,
             info.compute_capability,
             info.memory_total_bytes >> 20
         );
-        Ok(WorkerDevice::Gpu(Box::new(GpuWorker {
+        WorkerDevice::Gpu(Box::new(GpuWorker {
             runtime,
             info,
             telemetry: telemetry.map(|t| Arc::new(Mutex::new(t))),
             metrics: gpu_metrics,
-        })))
+        }))
     }
 
-    /// `cpu` or `gpu:N`, as registered with the scheduler.
+    /// `cpu`, `gpu:N` or `emulated-gpu`, as registered with the scheduler.
     pub fn name(&self) -> String {
         match self {
             WorkerDevice::Cpu => "cpu".into(),
+            WorkerDevice::Gpu(gpu) if gpu.runtime.backend.is_emulated() => {
+                DeviceRequest::Emulated.to_string()
+            }
             WorkerDevice::Gpu(gpu) => format!("gpu:{}", gpu.info.ordinal),
         }
     }
@@ -188,6 +220,27 @@ impl WorkerDevice {
     }
 }
 
+/// The runtime, once its self-test passed.
+fn self_tested(runtime: Arc<GpuRuntime>) -> Result<Arc<GpuRuntime>, String> {
+    selftest::run(&runtime)
+        .map(|()| runtime)
+        .map_err(|e| format!("the device self-test failed: {e}"))
+}
+
+/// What the scheduler is told about the runtime's device (NVML may name it better).
+fn gpu_info(runtime: &GpuRuntime) -> GpuInfo {
+    let (major, minor) = runtime.device.compute_capability;
+    GpuInfo {
+        ordinal: runtime.device.ordinal,
+        name: runtime.device.name.clone(),
+        uuid: runtime.device.uuid.clone(),
+        memory_total_bytes: runtime.device.total_memory,
+        compute_capability: format!("{major}.{minor}"),
+        mig_profile: String::new(),
+        device_pool_bytes: runtime.pool.stats().capacity,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,6 +285,37 @@ mod tests {
             // With a GPU both use it.
             assert_eq!(explicit.unwrap().name(), "gpu:0");
             assert_eq!(auto.unwrap().name(), "gpu:0");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_emulated_gpu_worker_starts_self_tested_and_reports_as_a_gpu_worker() {
+        if !crate::gpu::emulator::compiler_present() {
+            println!("SKIPPED the emulated worker test: no C++ compiler (`c++` or $CXX)");
+            return;
+        }
+        let mut metrics = WorkerMetrics::new(compile_cache_counter());
+        let device = WorkerDevice::start(
+            &DeviceConfig {
+                request: DeviceRequest::Emulated,
+                pool_bytes: Some(64 << 20),
+            },
+            &mut metrics,
+        )
+        .unwrap();
+        assert_eq!(device.name(), "emulated-gpu");
+        let info = device.gpu_info().unwrap();
+        assert_eq!(info.name, crate::gpu::emulator::DEVICE_NAME);
+        assert_eq!(info.device_pool_bytes, 64 << 20);
+        // The self-test's uploads and downloads were counted; its buffers all went back.
+        let sample = device.sample().await.unwrap();
+        assert_eq!(sample.device_pool_used_bytes, 0);
+        let text = metrics.render();
+        for series in [
+            "wrk_worker_device_transfers_total{direction=\"to_device\"",
+            "wrk_worker_device_pool_size_bytes",
+        ] {
+            assert!(text.contains(series), "{series} missing from:\n{text}");
         }
     }
 }

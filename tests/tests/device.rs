@@ -82,7 +82,19 @@ fn a_worker_asked_for_a_missing_gpu_exits_with_a_clear_error() {
 fn auto_and_cpu_workers_register_with_their_device() {
     let mut processes = Processes(Vec::new());
     let scheduler = start_scheduler(&mut processes, &["--heartbeat-ms", "100"], &[]);
-    for (id, device) in [("auto-worker", "auto"), ("cpu-worker", "cpu")] {
+    // The emulated GPU runs the GPU start-up (kernels, pool, self-test against the CPU
+    // backend) on the CUDA emulator; it needs a C++ compiler.
+    let emulated = Command::new("c++")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let mut workers = vec![("auto-worker", "auto"), ("cpu-worker", "cpu")];
+    if emulated {
+        workers.push(("emulated-worker", "emulated-gpu"));
+    } else {
+        println!("SKIPPED the emulated-gpu worker: no C++ compiler (`c++`)");
+    }
+    for (id, device) in &workers {
         let child = worker_command(&scheduler.url, id, &["--device", device])
             .env("WRK_LOG", "info")
             .stderr(std::process::Stdio::null())
@@ -90,7 +102,7 @@ fn auto_and_cpu_workers_register_with_their_device() {
             .expect("start wrk worker");
         processes.0.push(child);
     }
-    wait_for_workers(&scheduler.url, 2, None);
+    wait_for_workers(&scheduler.url, workers.len(), None);
     let output = Command::new(wrk())
         .args(["status", "--scheduler", &scheduler.url, "--output", "json"])
         .env_remove("WRK_TOKEN")
@@ -115,6 +127,19 @@ fn auto_and_cpu_workers_register_with_their_device() {
     } else {
         assert_eq!(auto["device"], "cpu", "{auto}");
         assert!(auto["gpu"].is_null());
+    }
+    if emulated {
+        let worker = device("emulated-worker");
+        assert_eq!(worker["device"], "emulated-gpu", "{worker}");
+        assert_eq!(
+            worker["gpu"]["name"], "CUDA emulator (host CPU)",
+            "{worker}"
+        );
+        assert!(
+            worker["gpu"]["device_pool_bytes"]
+                .as_u64()
+                .is_some_and(|b| b > 0)
+        );
     }
     // The dashboard's worker list carries the same device.
     let (_, body) = common::http_get(&scheduler.http, "/api/workers");

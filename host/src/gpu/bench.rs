@@ -98,13 +98,13 @@ fn best<T>(runs: usize, mut f: impl FnMut() -> T) -> f64 {
 }
 
 fn sync(runtime: &GpuRuntime) {
-    runtime.stream.synchronize().unwrap();
+    runtime.backend.synchronize().unwrap();
 }
 
 #[test]
 #[ignore = "a benchmark: host/gpu-check.sh runs it on a GPU machine"]
 fn device_operator_benchmark() {
-    let Some(runtime) = super::test_runtime("device_operator_benchmark") else {
+    let Some(runtime) = super::test_gpu("device_operator_benchmark") else {
         return;
     };
     let rows: usize = std::env::var("BENCH_ROWS")

@@ -24,12 +24,15 @@ pub enum DeviceRequest {
     /// The first GPU if there is one, otherwise the CPU.
     #[default]
     Auto,
+    /// The GPU backend on the CUDA emulator (the host CPU; needs a C++ compiler): for
+    /// developing and testing the GPU path without a GPU. Slow.
+    Emulated,
 }
 
-/// A `--device` value that is not `cpu`, `gpu:N` or `auto`.
+/// A `--device` value that is not `cpu`, `gpu:N`, `auto` or `emulated-gpu`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "invalid device `{0}`: expected `cpu`, `gpu:N` (N a CUDA device number, `gpu` meaning gpu:0) or `auto`"
+    "invalid device `{0}`: expected `cpu`, `gpu:N` (N a CUDA device number, `gpu` meaning gpu:0), `auto` or `emulated-gpu`"
 )]
 pub struct ParseDeviceError(String);
 
@@ -44,6 +47,7 @@ impl FromStr for DeviceRequest {
             "cpu" => return Ok(DeviceRequest::Cpu),
             "auto" => return Ok(DeviceRequest::Auto),
             "gpu" | "cuda" => return Ok(DeviceRequest::Gpu(0)),
+            "emulated-gpu" => return Ok(DeviceRequest::Emulated),
             _ => {}
         }
         let ordinal = text
@@ -61,6 +65,7 @@ impl fmt::Display for DeviceRequest {
             DeviceRequest::Cpu => write!(f, "cpu"),
             DeviceRequest::Gpu(n) => write!(f, "gpu:{n}"),
             DeviceRequest::Auto => write!(f, "auto"),
+            DeviceRequest::Emulated => write!(f, "emulated-gpu"),
         }
     }
 }
@@ -84,11 +89,10 @@ pub enum NoGpu {
     Driver(String),
 }
 
-/// What the probe found: a CUDA device with a live context.
-#[derive(Clone)]
-pub struct ProbedGpu {
+/// What a worker reports about its GPU.
+#[derive(Debug, Clone)]
+pub struct GpuIdentity {
     pub ordinal: u32,
-    pub context: Arc<CudaContext>,
     /// The name the CUDA driver gives the device.
     pub name: String,
     /// `GPU-xxxxxxxx-...`, as the CUDA driver reports it (for a MIG instance this may be the
@@ -98,15 +102,16 @@ pub struct ProbedGpu {
     pub compute_capability: (i32, i32),
 }
 
+/// What the probe found: a CUDA device with a live context.
+#[derive(Clone)]
+pub struct ProbedGpu {
+    pub identity: GpuIdentity,
+    pub context: Arc<CudaContext>,
+}
+
 impl fmt::Debug for ProbedGpu {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ProbedGpu")
-            .field("ordinal", &self.ordinal)
-            .field("name", &self.name)
-            .field("uuid", &self.uuid)
-            .field("total_memory", &self.total_memory)
-            .field("compute_capability", &self.compute_capability)
-            .finish()
+        self.identity.fmt(f)
     }
 }
 
@@ -146,12 +151,14 @@ pub fn probe(ordinal: u32) -> Result<ProbedGpu, NoGpu> {
     let total_memory = context.total_mem().map_err(driver)? as u64;
     let compute_capability = context.compute_capability().map_err(driver)?;
     Ok(ProbedGpu {
-        ordinal,
+        identity: GpuIdentity {
+            ordinal,
+            name,
+            uuid,
+            total_memory,
+            compute_capability,
+        },
         context,
-        name,
-        uuid,
-        total_memory,
-        compute_capability,
     })
 }
 
@@ -176,6 +183,8 @@ pub enum Selected {
         reason: String,
     },
     Gpu(ProbedGpu),
+    /// The CUDA emulator was asked for.
+    Emulated,
 }
 
 /// A GPU was asked for and cannot be had.
@@ -196,6 +205,7 @@ pub fn select(
         DeviceRequest::Cpu => Ok(Selected::Cpu {
             reason: "--device cpu was asked for".into(),
         }),
+        DeviceRequest::Emulated => Ok(Selected::Emulated),
         DeviceRequest::Gpu(ordinal) => probe_device(ordinal)
             .map(Selected::Gpu)
             .map_err(|reason| DeviceUnavailable { request, reason }),
@@ -225,10 +235,12 @@ mod tests {
             let err = bad.parse::<DeviceRequest>().unwrap_err().to_string();
             assert!(err.contains("expected `cpu`, `gpu:N`"), "{bad}: {err}");
         }
+        assert_eq!("emulated-gpu".parse(), Ok(DeviceRequest::Emulated));
         for request in [
             DeviceRequest::Cpu,
             DeviceRequest::Gpu(7),
             DeviceRequest::Auto,
+            DeviceRequest::Emulated,
         ] {
             assert_eq!(request.to_string().parse(), Ok(request));
         }
@@ -247,7 +259,7 @@ mod tests {
     fn probing_without_a_driver_reports_why_and_does_not_panic() {
         // On a machine with a GPU this opens it; here (no driver) it must say why not.
         match probe(0) {
-            Ok(gpu) => assert!(!gpu.name.is_empty()),
+            Ok(gpu) => assert!(!gpu.identity.name.is_empty()),
             Err(reason) => {
                 assert!(!driver_library_present() || reason != NoGpu::DriverLibraryMissing);
                 println!("no GPU here: {reason}");

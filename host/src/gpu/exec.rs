@@ -6,10 +6,13 @@
 //! at) are read back as small scalars; those reads are control traffic, not table data, and are
 //! not counted as transfers.
 
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::GpuRuntime;
-use super::kernels::KernelError;
+use super::backend::Backend;
+use super::kernels::{Kernel, KernelError};
 use super::pool::{DeviceBuffer, PoolError};
 use super::table::{DeviceColumn, DeviceTable, TableError, address, to_host, value_width};
 
@@ -70,7 +73,7 @@ pub fn check_rows(rows: usize) -> Result<u32, ExecError> {
         .ok_or(ExecError::TooManyRows { rows })
 }
 
-/// Launches `function` with `args`.
+/// Launches `kernel` with `args`.
 ///
 /// # Safety contract
 /// The arguments must match the kernel's parameter list in `fixed.cu` (or the generated
@@ -78,7 +81,7 @@ pub fn check_rows(rows: usize) -> Result<u32, ExecError> {
 /// for the rows the kernel touches; each call site is written against that signature.
 pub fn launch(
     runtime: &GpuRuntime,
-    function: &CudaFunction,
+    kernel: &Kernel,
     name: &str,
     config: LaunchConfig,
     args: &[Arg<'_>],
@@ -93,7 +96,7 @@ pub fn launch(
         F64(f64),
         U8(u8),
     }
-    let values: Vec<Value> = args
+    let mut values: Vec<Value> = args
         .iter()
         .map(|a| match *a {
             Arg::Buf(b) => Value::U64(address(runtime, b, 0)),
@@ -107,30 +110,53 @@ pub fn launch(
             Arg::U8(v) => Value::U8(v),
         })
         .collect();
-    let mut builder = runtime.stream.launch_builder(function);
-    for value in &values {
-        match value {
-            Value::U64(v) => builder.arg(v),
-            Value::I64(v) => builder.arg(v),
-            Value::U32(v) => builder.arg(v),
-            Value::I32(v) => builder.arg(v),
-            Value::F64(v) => builder.arg(v),
-            Value::U8(v) => builder.arg(v),
-        };
-    }
-    // SAFETY: see the contract above; the kernel reads only the buffers passed, which outlive
-    // the launch because every caller synchronises (or keeps them) before dropping them.
-    unsafe { builder.launch(config) }.map_err(|e| ExecError::Launch {
+    let failed = |detail: String| ExecError::Launch {
         kernel: name.to_string(),
-        detail: e.to_string(),
-    })?;
+        detail,
+    };
+    match (&*runtime.backend, kernel) {
+        (Backend::Cuda { stream, .. }, Kernel::Cuda(function)) => {
+            let mut builder = stream.launch_builder(function);
+            for value in &values {
+                match value {
+                    Value::U64(v) => builder.arg(v),
+                    Value::I64(v) => builder.arg(v),
+                    Value::U32(v) => builder.arg(v),
+                    Value::I32(v) => builder.arg(v),
+                    Value::F64(v) => builder.arg(v),
+                    Value::U8(v) => builder.arg(v),
+                };
+            }
+            // SAFETY: see the contract above; the kernel reads only the buffers passed, which
+            // outlive the launch because every caller synchronises (or keeps them) before
+            // dropping them.
+            unsafe { builder.launch(config) }.map_err(|e| failed(e.to_string()))?;
+        }
+        (Backend::Emulated, Kernel::Emulated(kernel)) => {
+            let mut pointers: Vec<*mut c_void> = values
+                .iter_mut()
+                .map(|value| match value {
+                    Value::U64(v) => (v as *mut u64).cast(),
+                    Value::I64(v) => (v as *mut i64).cast(),
+                    Value::U32(v) => (v as *mut u32).cast(),
+                    Value::I32(v) => (v as *mut i32).cast(),
+                    Value::F64(v) => (v as *mut f64).cast(),
+                    Value::U8(v) => (v as *mut u8).cast(),
+                })
+                .collect();
+            // SAFETY: as for a CUDA launch; the emulator returns after the kernel has finished.
+            unsafe { kernel.launch(config.grid_dim.0, config.block_dim.0, &mut pointers) }
+                .map_err(failed)?;
+        }
+        _ => return Err(failed("the kernel was compiled for another backend".into())),
+    }
     Ok(())
 }
 
 /// Launches the fixed kernel `name` over `n` rows.
 pub fn run(runtime: &GpuRuntime, name: &str, n: usize, args: &[Arg<'_>]) -> Result<(), ExecError> {
-    let function = runtime.kernels.fixed(name)?;
-    launch(runtime, &function, name, rows_config(n), args)
+    let kernel = runtime.kernels.fixed(name)?;
+    launch(runtime, &kernel, name, rows_config(n), args)
 }
 
 /// A pool buffer of `count` elements of `width` bytes.
@@ -458,4 +484,53 @@ pub fn radix_sort(
         std::mem::swap(&mut perm, &mut out);
     }
     Ok(perm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::table::to_device;
+
+    fn u32s(bytes: &[u8]) -> Vec<u32> {
+        bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    #[test]
+    fn the_scan_and_compaction_match_the_host_at_every_depth() {
+        let Some(runtime) = crate::gpu::test_device("the_scan_matches_the_host") else {
+            return;
+        };
+        // One block, a partial second block, two levels, and three levels (over 1024 blocks).
+        for n in [
+            1usize,
+            31,
+            1024,
+            1025,
+            70_000,
+            SCAN_BLOCK as usize * 1024 + 5,
+        ] {
+            let flags: Vec<u32> = (0..n).map(|i| u32::from(i % 3 != 1)).collect();
+            let bytes: Vec<u8> = flags.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let device = to_device(&runtime, &bytes).unwrap();
+            let (positions, total) = exclusive_scan(&runtime, &device, n).unwrap();
+            let expected: Vec<u32> = flags
+                .iter()
+                .scan(0u32, |sum, v| {
+                    let before = *sum;
+                    *sum += v;
+                    Some(before)
+                })
+                .collect();
+            let got = u32s(&to_host(&runtime, &positions, n * 4).unwrap());
+            assert_eq!(got, expected, "{n} values");
+            assert_eq!(total, flags.iter().sum::<u32>(), "{n} values");
+            let (indices, selected) = selected_rows(&runtime, &device, n).unwrap();
+            let got = u32s(&to_host(&runtime, &indices, selected * 4).unwrap());
+            let expected: Vec<u32> = (0..n as u32).filter(|i| i % 3 != 1).collect();
+            assert_eq!(got, expected, "{n} values");
+        }
+    }
 }

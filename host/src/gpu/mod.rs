@@ -1,7 +1,11 @@
 //! The CUDA backend: device selection, the device memory pool, NVRTC-compiled kernels, device
 //! tables and their operators, and NVML telemetry.
 //!
-//! - [`detect`]: `--device cpu|gpu:N|auto` and a probe that never panics without a driver.
+//! - [`detect`]: `--device cpu|gpu:N|auto|emulated-gpu` and a probe that never panics without a
+//!   driver.
+//! - [`backend`]: allocations, copies and synchronisation on a CUDA device or the emulated one.
+//! - [`emulator`]: the CUDA execution model on the CPU, which runs the same kernels without a
+//!   GPU (for tests and for developing the backend).
 //! - [`nvml`]: telemetry of the worker's GPU (and its MIG profile).
 //! - [`pool`]: the worker's device memory budget, with an eviction hook for the spiller.
 //! - [`kernels`]: fused expression kernels generated per expression, and the fixed kernels.
@@ -14,9 +18,11 @@
 //! Nothing here needs a CUDA toolkit at build time: `libcuda`, `libnvrtc` and `libnvidia-ml`
 //! are loaded at run time, and only after checking that they load.
 
+pub mod backend;
 #[cfg(test)]
 mod bench;
 pub mod detect;
+pub mod emulator;
 pub mod exec;
 pub mod kernels;
 pub mod nvml;
@@ -28,10 +34,9 @@ pub mod table;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cudarc::driver::CudaStream;
-
 use crate::metrics::DeviceTransferMetrics;
-use detect::ProbedGpu;
+use backend::Backend;
+use detect::{GpuIdentity, ProbedGpu};
 use kernels::{KernelCache, KernelError};
 use pool::{DevicePool, PoolError};
 
@@ -103,15 +108,18 @@ impl Transfers {
     }
 }
 
-/// A worker's GPU, ready to run operators: its context and stream, memory pool, kernels and
-/// transfer counters.
+/// A worker's GPU, ready to run operators: its backend (context and stream), memory pool,
+/// kernels and transfer counters.
 pub struct GpuRuntime {
-    pub device: ProbedGpu,
-    pub stream: Arc<CudaStream>,
+    pub device: GpuIdentity,
+    pub backend: Arc<Backend>,
     pub pool: DevicePool,
     pub kernels: KernelCache,
     pub transfers: Transfers,
 }
+
+/// The emulated device's pool when no `--device-pool-size` is given.
+pub const EMULATED_POOL_BYTES: u64 = 1 << 30;
 
 impl GpuRuntime {
     /// Starts the runtime on a probed device: sizes the pool (`pool_bytes` from `--pool-size`,
@@ -121,20 +129,46 @@ impl GpuRuntime {
         pool_bytes: Option<u64>,
         transfers: Transfers,
     ) -> Result<Arc<Self>, StartError> {
-        let (free, total) = device
-            .context
+        let ProbedGpu { identity, context } = device;
+        let (free, total) = context
             .mem_get_info()
             .map_err(|e| StartError::Memory(e.to_string()))?;
         let (budget, warning) = pool::pool_budget(pool_bytes, total as u64, free as u64);
         if let Some(warning) = warning {
             tracing::warn!("{warning}");
         }
-        let stream = device.context.default_stream();
-        let pool = DevicePool::new(stream.clone(), budget)?;
-        let kernels = KernelCache::new(device.context.clone())?;
+        let stream = context.default_stream();
+        let kernels = KernelCache::new(context.clone())?;
+        let backend = Arc::new(Backend::Cuda { context, stream });
+        let pool = DevicePool::new(backend.clone(), budget)?;
         Ok(Arc::new(GpuRuntime {
-            device,
-            stream,
+            device: identity,
+            backend,
+            pool,
+            kernels,
+            transfers,
+        }))
+    }
+
+    /// Starts the runtime on the emulated device ([`emulator`]): the kernels compiled for the
+    /// host, a pool of `pool_bytes` (default [`EMULATED_POOL_BYTES`]) in host memory.
+    pub fn emulated(
+        pool_bytes: Option<u64>,
+        transfers: Transfers,
+    ) -> Result<Arc<Self>, StartError> {
+        let capacity = pool_bytes.unwrap_or(EMULATED_POOL_BYTES);
+        let kernels = KernelCache::emulated()?;
+        let backend = Arc::new(Backend::Emulated);
+        let pool = DevicePool::new(backend.clone(), capacity)?;
+        Ok(Arc::new(GpuRuntime {
+            device: GpuIdentity {
+                ordinal: 0,
+                name: emulator::DEVICE_NAME.into(),
+                uuid: emulator::DEVICE_UUID.into(),
+                total_memory: capacity,
+                compute_capability: kernels::MIN_ARCH,
+            },
+            backend,
             pool,
             kernels,
             transfers,
@@ -142,11 +176,10 @@ impl GpuRuntime {
     }
 }
 
-/// For tests that need a GPU: the runtime on device 0, or `None` after printing why the test is
-/// skipped. With `WRK_REQUIRE_GPU=1` a missing GPU fails the test instead.
+/// For tests that need a real GPU (benchmarks): the runtime on device 0, or `None` after
+/// printing why the test is skipped. With `WRK_REQUIRE_GPU=1` a missing GPU fails the test.
 #[cfg(test)]
-pub(crate) fn test_runtime(test: &str) -> Option<Arc<GpuRuntime>> {
-    let required = std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1");
+pub(crate) fn test_gpu(test: &str) -> Option<Arc<GpuRuntime>> {
     match detect::probe(0) {
         Ok(device) => match GpuRuntime::start(device, Some(1 << 30), Transfers::default()) {
             Ok(runtime) => Some(runtime),
@@ -154,7 +187,7 @@ pub(crate) fn test_runtime(test: &str) -> Option<Arc<GpuRuntime>> {
         },
         Err(reason) => {
             assert!(
-                !required,
+                !gpu_required(),
                 "{test}: WRK_REQUIRE_GPU=1 but no GPU can be used: {reason}"
             );
             println!(
@@ -163,4 +196,30 @@ pub(crate) fn test_runtime(test: &str) -> Option<Arc<GpuRuntime>> {
             None
         }
     }
+}
+
+/// For tests of the device operators: the runtime on GPU 0, or on the emulated device where
+/// there is no GPU (saying so), or `None` after printing why the test is skipped (no GPU and no
+/// C++ compiler). With `WRK_REQUIRE_GPU=1` only a real GPU will do.
+#[cfg(test)]
+pub(crate) fn test_device(test: &str) -> Option<Arc<GpuRuntime>> {
+    if gpu_required() || detect::probe(0).is_ok() {
+        return test_gpu(test);
+    }
+    if !emulator::compiler_present() {
+        println!(
+            "SKIPPED {test}: no CUDA device found and no C++ compiler for the CUDA emulator; set WRK_REQUIRE_GPU=1 to make this a failure"
+        );
+        return None;
+    }
+    println!("{test}: no CUDA device found; running on the CUDA emulator (host CPU)");
+    match GpuRuntime::emulated(Some(1 << 30), Transfers::default()) {
+        Ok(runtime) => Some(runtime),
+        Err(e) => panic!("{test}: the emulated device did not start: {e}"),
+    }
+}
+
+#[cfg(test)]
+fn gpu_required() -> bool {
+    std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }

@@ -943,12 +943,10 @@ fn copy_into(
     if bytes == 0 {
         return Ok(());
     }
-    let source = src.slice().slice(0..bytes);
-    let mut target = dst.slice_mut().slice_mut(at..at + bytes);
     runtime
-        .stream
-        .memcpy_dtod(&source, &mut target)
-        .map_err(|e| TableError::Copy(e.to_string()))?;
+        .backend
+        .copy(src.memory(), bytes, dst.memory_mut(), at)
+        .map_err(TableError::Copy)?;
     Ok(())
 }
 

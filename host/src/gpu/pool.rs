@@ -7,11 +7,14 @@
 //! fit, asks the [`EvictionHook`] to free at least the shortfall (by spilling device tables to
 //! host memory or disk) before failing with [`PoolError::Exhausted`]; every [`DeviceBuffer`]
 //! returns its bytes when dropped; [`DevicePool::stats`] reports size, use, peak and evictions.
-//! The budget accounting ([`Accounting`]) is plain Rust and is tested without a GPU.
+//! The budget accounting ([`Accounting`]) is plain Rust and is tested without a GPU. On the
+//! emulated device the buffers are host memory under the same budget.
 
 use std::sync::{Arc, Mutex, RwLock};
 
-use cudarc::driver::{CudaSlice, CudaStream, sys};
+use cudarc::driver::sys;
+
+use super::backend::{Backend, Memory};
 
 /// Frees device memory on request: the spiller implements it. `evict` is called with the bytes
 /// missing for an allocation and returns how many bytes it released (it may release more or
@@ -156,18 +159,18 @@ pub fn pool_budget(requested: Option<u64>, total: u64, free: u64) -> (u64, Optio
 
 /// Device memory leased from a [`DevicePool`]; its bytes return to the pool when it is dropped.
 pub struct DeviceBuffer {
-    slice: CudaSlice<u8>,
+    memory: Memory,
     bytes: u64,
     accounting: Arc<Accounting>,
 }
 
 impl DeviceBuffer {
-    pub fn slice(&self) -> &CudaSlice<u8> {
-        &self.slice
+    pub fn memory(&self) -> &Memory {
+        &self.memory
     }
 
-    pub fn slice_mut(&mut self) -> &mut CudaSlice<u8> {
-        &mut self.slice
+    pub fn memory_mut(&mut self) -> &mut Memory {
+        &mut self.memory
     }
 
     /// The bytes this buffer holds against the budget.
@@ -184,18 +187,19 @@ impl Drop for DeviceBuffer {
 
 /// One worker's device memory.
 pub struct DevicePool {
-    stream: Arc<CudaStream>,
+    backend: Arc<Backend>,
     accounting: Arc<Accounting>,
     hook: RwLock<Option<Arc<dyn EvictionHook>>>,
 }
 
 impl DevicePool {
-    /// A pool of `capacity` bytes allocating on `stream`. Raises the release threshold of the
-    /// device's default memory pool to `capacity`, so freed blocks stay mapped for reuse instead
-    /// of going back to the driver at every synchronisation.
-    pub fn new(stream: Arc<CudaStream>, capacity: u64) -> Result<Self, PoolError> {
-        let context = stream.context();
-        if context.has_async_alloc() {
+    /// A pool of `capacity` bytes on `backend`. On a CUDA device, raises the release threshold
+    /// of the device's default memory pool to `capacity`, so freed blocks stay mapped for reuse
+    /// instead of going back to the driver at every synchronisation.
+    pub fn new(backend: Arc<Backend>, capacity: u64) -> Result<Self, PoolError> {
+        if let Backend::Cuda { context, .. } = &*backend
+            && context.has_async_alloc()
+        {
             let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
             let mut threshold: u64 = capacity;
             // SAFETY: `pool` receives the device's default pool handle, which lives as long as
@@ -217,7 +221,7 @@ impl DevicePool {
             }
         }
         Ok(DevicePool {
-            stream,
+            backend,
             accounting: Arc::new(Accounting::new(capacity)),
             hook: RwLock::new(None),
         })
@@ -233,31 +237,21 @@ impl DevicePool {
     pub fn alloc(&self, bytes: u64) -> Result<DeviceBuffer, PoolError> {
         let hook = self.hook.read().unwrap_or_else(|e| e.into_inner()).clone();
         self.accounting.reserve(bytes, hook.as_deref())?;
-        // SAFETY: the memory is uninitialised; every caller writes it (a copy or a kernel)
-        // before reading it.
-        let slice = unsafe { self.stream.alloc::<u8>(bytes.max(1) as usize) };
-        match slice {
-            Ok(slice) => Ok(DeviceBuffer {
-                slice,
+        match self.backend.alloc(bytes as usize) {
+            Ok(memory) => Ok(DeviceBuffer {
+                memory,
                 bytes,
                 accounting: self.accounting.clone(),
             }),
-            Err(e) => {
+            Err(detail) => {
                 self.accounting.driver_failed(bytes);
-                Err(PoolError::Driver {
-                    bytes,
-                    detail: e.to_string(),
-                })
+                Err(PoolError::Driver { bytes, detail })
             }
         }
     }
 
     pub fn stats(&self) -> PoolStats {
         self.accounting.stats()
-    }
-
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
     }
 }
 

@@ -360,12 +360,19 @@ mod tests {
 
     #[test]
     fn device_operators_match_the_cpu_backend() {
-        let Some(runtime) = super::super::test_runtime("device_operators_match_the_cpu_backend")
+        let Some(runtime) = super::super::test_device("device_operators_match_the_cpu_backend")
         else {
             return;
         };
-        // Empty, one row, a partial scan block, several blocks and levels of the scan.
-        for rows in [0, 1, 1000, 5_000, 1_100_000] {
+        // Empty, one row, a partial scan block, several blocks and levels of the scan. The
+        // emulator runs a CUDA thread at a time, so it stops at two levels of the scan (the
+        // third is checked by exec's scan test).
+        let sizes: &[usize] = if runtime.backend.is_emulated() {
+            &[0, 1, 1000, 5_000, 70_000]
+        } else {
+            &[0, 1, 1000, 5_000, 1_100_000]
+        };
+        for &rows in sizes {
             compare_all(&runtime, &sample_table(rows))
                 .unwrap_or_else(|e| panic!("{rows} rows: {e}"));
         }

@@ -11,9 +11,8 @@
 use std::sync::Arc;
 
 use arrow::array::{Array, ArrayData, ArrayRef, BooleanArray, RecordBatch, make_array};
-use arrow::buffer::{Buffer, NullBuffer};
+use arrow::buffer::{Buffer, MutableBuffer, NullBuffer};
 use arrow::datatypes::{DataType, SchemaRef};
-use cudarc::driver::DevicePtr;
 
 use super::pool::{DeviceBuffer, PoolError};
 use super::{Direction, GpuRuntime};
@@ -91,8 +90,7 @@ impl DeviceTable {
 
 /// The raw device address of `buffer` plus `offset` bytes, for kernel arguments.
 pub(crate) fn address(runtime: &GpuRuntime, buffer: &DeviceBuffer, offset: u64) -> u64 {
-    let (pointer, _sync) = buffer.slice().device_ptr(&runtime.stream);
-    pointer + offset
+    runtime.backend.address(buffer.memory(), offset)
 }
 
 /// Copies `bytes` into a new pool buffer (not counted: the callers count whole tables).
@@ -100,9 +98,9 @@ pub(crate) fn to_device(runtime: &GpuRuntime, bytes: &[u8]) -> Result<DeviceBuff
     let mut buffer = runtime.pool.alloc(bytes.len() as u64)?;
     if !bytes.is_empty() {
         runtime
-            .stream
-            .memcpy_htod(bytes, buffer.slice_mut())
-            .map_err(|e| TableError::Copy(e.to_string()))?;
+            .backend
+            .write(buffer.memory_mut(), bytes)
+            .map_err(TableError::Copy)?;
     }
     Ok(buffer)
 }
@@ -115,17 +113,29 @@ pub(crate) fn to_host(
 ) -> Result<Vec<u8>, TableError> {
     let mut out = vec![0u8; len];
     if len > 0 {
-        let view = buffer.slice().slice(0..len);
         runtime
-            .stream
-            .memcpy_dtoh(&view, &mut out[..])
-            .map_err(|e| TableError::Copy(e.to_string()))?;
-        runtime
-            .stream
-            .synchronize()
-            .map_err(|e| TableError::Copy(e.to_string()))?;
+            .backend
+            .read(buffer.memory(), &mut out)
+            .map_err(TableError::Copy)?;
     }
     Ok(out)
+}
+
+/// The first `len` bytes of `buffer` as an Arrow buffer (aligned for any value type, also when
+/// empty), not counted.
+fn to_host_buffer(
+    runtime: &GpuRuntime,
+    buffer: &DeviceBuffer,
+    len: usize,
+) -> Result<Buffer, TableError> {
+    let mut out = MutableBuffer::from_len_zeroed(len);
+    if len > 0 {
+        runtime
+            .backend
+            .read(buffer.memory(), out.as_slice_mut())
+            .map_err(TableError::Copy)?;
+    }
+    Ok(out.into())
 }
 
 /// The bytes of an Arrow buffer's `len` elements of `width` bytes from element `offset`.
@@ -230,10 +240,7 @@ pub fn upload(runtime: &GpuRuntime, batch: &RecordBatch) -> Result<DeviceTable, 
         copied += bytes;
         columns.push(column);
     }
-    runtime
-        .stream
-        .synchronize()
-        .map_err(|e| TableError::Copy(e.to_string()))?;
+    runtime.backend.synchronize().map_err(TableError::Copy)?;
     runtime.transfers.record(Direction::ToDevice, copied);
     Ok(DeviceTable {
         schema,
@@ -276,17 +283,17 @@ fn download_column(
                 column: name.to_string(),
                 detail: "a string column without offsets".into(),
             })?;
-            let offsets = to_host(runtime, offsets_buffer, (len + 1) * 4)?;
+            let offsets = to_host_buffer(runtime, offsets_buffer, (len + 1) * 4)?;
             let end = offsets
                 .chunks_exact(4)
                 .last()
                 .map_or(0, |b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            let bytes = to_host(runtime, &column.values, end.max(0) as usize)?;
+            let bytes = to_host_buffer(runtime, &column.values, end.max(0) as usize)?;
             copied += (offsets.len() + bytes.len()) as u64;
             let data = ArrayData::builder(DataType::Utf8)
                 .len(len)
-                .add_buffer(Buffer::from_vec(offsets))
-                .add_buffer(Buffer::from_vec(bytes))
+                .add_buffer(offsets)
+                .add_buffer(bytes)
                 .nulls(nulls)
                 .build()
                 .map_err(rebuild)?;
@@ -297,11 +304,11 @@ fn download_column(
                 column: name.to_string(),
                 data_type: other.clone(),
             })?;
-            let bytes = to_host(runtime, &column.values, len * width)?;
+            let bytes = to_host_buffer(runtime, &column.values, len * width)?;
             copied += bytes.len() as u64;
             let data = ArrayData::builder(other.clone())
                 .len(len)
-                .add_buffer(Buffer::from_vec(bytes))
+                .add_buffer(bytes)
                 .nulls(nulls)
                 .build()
                 .map_err(rebuild)?;
@@ -382,7 +389,7 @@ mod tests {
 
     #[test]
     fn tables_round_trip_through_the_device() {
-        let Some(runtime) = super::super::test_runtime("tables_round_trip_through_the_device")
+        let Some(runtime) = super::super::test_device("tables_round_trip_through_the_device")
         else {
             return;
         };

@@ -13,7 +13,7 @@ typedef long long wrk_i64;
 typedef unsigned int wrk_u32;
 typedef unsigned char wrk_u8;
 
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(WRK_CUDA_EMULATOR)
 #define WRK_HD __device__ __forceinline__
 WRK_HD wrk_u64 wrk_double_bits(double v) { return (wrk_u64)__double_as_longlong(v); }
 #else
@@ -132,7 +132,7 @@ WRK_HD wrk_u64 wrk_hash_unsigned(wrk_u64 v) { return wrk_mix(v); }
 WRK_HD wrk_u64 wrk_hash_float(double v) { return wrk_mix(wrk_float_bits(v)); }
 WRK_HD wrk_u64 wrk_hash_bytes(const wrk_u8* p, wrk_u64 len) { return wrk_mix(wrk_xxh64(p, len)); }
 
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(WRK_CUDA_EMULATOR)
 
 #define WRK_NONE 0xffffffffu
 #define WRK_ROWS(i, n) \

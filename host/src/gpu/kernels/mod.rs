@@ -4,7 +4,8 @@
 //!
 //! [`KernelCache`] compiles the fixed module once per worker and each fused kernel once per
 //! expression shape; [`compile_ptx`] is the NVRTC step alone, which needs no GPU (the tests use
-//! it to compile every kernel the generator can emit).
+//! it to compile every kernel the generator can emit). On the emulated device the same sources
+//! are compiled for the host instead ([`super::emulator`]).
 
 pub mod fused;
 #[cfg(test)]
@@ -17,6 +18,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use super::detect::nvrtc_library_present;
+use super::emulator::{EmulatedKernel, EmulatedModule};
 
 /// The fixed kernels' CUDA C.
 pub const FIXED_SOURCE: &str = include_str!("fixed.cu");
@@ -80,12 +82,29 @@ pub struct CacheStats {
     pub compiled: u64,
 }
 
+/// A compiled kernel, ready to launch on its backend.
+#[derive(Clone)]
+pub enum Kernel {
+    Cuda(CudaFunction),
+    Emulated(EmulatedKernel),
+}
+
+/// The loaded fixed module, and how fused kernels are compiled.
+enum Modules {
+    Cuda {
+        context: Arc<CudaContext>,
+        arch: String,
+        fixed: Arc<CudaModule>,
+    },
+    Emulated {
+        fixed: Arc<EmulatedModule>,
+    },
+}
+
 /// The worker's compiled kernels.
 pub struct KernelCache {
-    context: Arc<CudaContext>,
-    arch: String,
-    fixed: Arc<CudaModule>,
-    fused: Mutex<HashMap<String, CudaFunction>>,
+    modules: Modules,
+    fused: Mutex<HashMap<String, Kernel>>,
     stats: Mutex<CacheStats>,
 }
 
@@ -110,27 +129,45 @@ impl KernelCache {
             what: "the fixed kernels".into(),
             detail: e.to_string(),
         })?;
-        Ok(KernelCache {
+        Ok(Self::with(Modules::Cuda {
             context,
             arch,
             fixed,
+        }))
+    }
+
+    /// Compiles the fixed kernels for the emulated device.
+    pub fn emulated() -> Result<Self, KernelError> {
+        let fixed = EmulatedModule::compile(FIXED_SOURCE, "wrk fixed kernels")?;
+        Ok(Self::with(Modules::Emulated { fixed }))
+    }
+
+    fn with(modules: Modules) -> Self {
+        KernelCache {
+            modules,
             fused: Mutex::new(HashMap::new()),
             stats: Mutex::new(CacheStats::default()),
-        })
+        }
     }
 
     /// A fixed kernel by name.
-    pub fn fixed(&self, name: &str) -> Result<CudaFunction, KernelError> {
-        self.fixed
-            .load_function(name)
-            .map_err(|e| KernelError::Load {
-                what: format!("kernel `{name}`"),
-                detail: e.to_string(),
-            })
+    pub fn fixed(&self, name: &str) -> Result<Kernel, KernelError> {
+        match &self.modules {
+            Modules::Cuda { fixed, .. } => {
+                fixed
+                    .load_function(name)
+                    .map(Kernel::Cuda)
+                    .map_err(|e| KernelError::Load {
+                        what: format!("kernel `{name}`"),
+                        detail: e.to_string(),
+                    })
+            }
+            Modules::Emulated { fixed } => fixed.kernel(name).map(Kernel::Emulated),
+        }
     }
 
     /// The compiled kernel of `kernel`'s shape, compiling it on first use.
-    pub fn fused(&self, kernel: &fused::FusedKernel) -> Result<CudaFunction, KernelError> {
+    pub fn fused(&self, kernel: &fused::FusedKernel) -> Result<Kernel, KernelError> {
         if let Some(function) = self
             .fused
             .lock()
@@ -141,29 +178,30 @@ impl KernelCache {
             return Ok(function.clone());
         }
         // Compiled outside the lock: two threads may compile one shape once each, harmlessly.
-        let ptx = compile_ptx(&kernel.source(), &self.arch, &kernel.shape)?;
-        let module = self
-            .context
-            .load_module(ptx)
-            .map_err(|e| KernelError::Load {
-                what: format!("the kernel of `{}`", kernel.shape),
-                detail: e.to_string(),
-            })?;
-        let function = module
-            .load_function(fused::KERNEL_NAME)
-            .map_err(|e| KernelError::Load {
-                what: format!("the kernel of `{}`", kernel.shape),
-                detail: e.to_string(),
-            })?;
+        let compiled = match &self.modules {
+            Modules::Cuda { context, arch, .. } => {
+                let failed = |e: cudarc::driver::DriverError| KernelError::Load {
+                    what: format!("the kernel of `{}`", kernel.shape),
+                    detail: e.to_string(),
+                };
+                let ptx = compile_ptx(&kernel.source(), arch, &kernel.shape)?;
+                let module = context.load_module(ptx).map_err(failed)?;
+                Kernel::Cuda(module.load_function(fused::KERNEL_NAME).map_err(failed)?)
+            }
+            Modules::Emulated { .. } => Kernel::Emulated(
+                EmulatedModule::compile(&kernel.source(), &kernel.shape)?
+                    .kernel(fused::KERNEL_NAME)?,
+            ),
+        };
         self.fused
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(kernel.shape.clone(), function.clone());
+            .insert(kernel.shape.clone(), compiled.clone());
         self.stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .compiled += 1;
-        Ok(function)
+        Ok(compiled)
     }
 
     pub fn stats(&self) -> CacheStats {
