@@ -27,6 +27,13 @@ if ! pkg-config --exists ucx 2>/dev/null || ! ls /usr/lib/llvm-*/lib/libclang.so
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends libucx-dev libclang-dev pkg-config >/dev/null
 fi
+# A C++ compiler: the CUDA emulator compiles the GPU kernels for the host, so the GPU backend's
+# tests run (against the CPU backend) on machines without a GPU.
+if ! command -v c++ >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends g++ >/dev/null
+fi
 # NVRTC (CUDA's run-time compiler) from the nvidia-cuda-nvrtc-cu12 wheel, in a virtualenv under
 # target/: the kernel tests compile every CUDA kernel to PTX with it, no GPU or CUDA toolkit
 # needed. Without PyPI those tests print a skip line instead.

@@ -326,8 +326,9 @@ struct WorkerArgs {
     /// (default: wrk-spill under the system's temporary directory).
     #[arg(long, env = "WRK_SPILL_DIR")]
     spill_dir: Option<PathBuf>,
-    /// The device to drive: `cpu`, `gpu:N` (CUDA device N; fails at start if it cannot be used)
-    /// or `auto` (the first GPU, else the CPU).
+    /// The device to drive: `cpu`, `gpu:N` (CUDA device N; fails at start if it cannot be used),
+    /// `auto` (the first GPU, else the CPU) or `emulated-gpu` (the GPU backend on the CUDA
+    /// emulator, on the CPU: for testing, slow; needs a C++ compiler).
     #[arg(long, env = "WRK_DEVICE", default_value = "auto")]
     device: DeviceRequest,
     /// The device memory pool's size in bytes (`20GiB`, `512MiB`); by

@@ -1,4 +1,4 @@
-//! Which device a worker drives: parsing `--device cpu|gpu:N|auto`, and probing for a CUDA
+//! Which device a worker drives: parsing `--device cpu|gpu:N|auto|emulated-gpu`, and probing for a CUDA
 //! device without ever panicking.
 //!
 //! `cudarc` loads `libcuda` and `libnvrtc` at run time and panics inside its loader when a
