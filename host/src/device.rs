@@ -290,8 +290,9 @@ mod tests {
 
     #[tokio::test]
     async fn an_emulated_gpu_worker_starts_self_tested_and_reports_as_a_gpu_worker() {
-        if !crate::gpu::emulator::compiler_present() {
-            println!("SKIPPED the emulated worker test: no C++ compiler (`c++` or $CXX)");
+        if crate::gpu::emulator::skipped_without_compiler(
+            "an_emulated_gpu_worker_starts_self_tested",
+        ) {
             return;
         }
         let mut metrics = WorkerMetrics::new(compile_cache_counter());

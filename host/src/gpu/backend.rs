@@ -95,8 +95,12 @@ impl HostMemory {
         self.data
     }
 
-    fn capacity(&self) -> usize {
-        self.capacity
+    /// Whether `what` up to byte `end` stays within the buffer.
+    fn check(&self, what: &str, end: usize) -> Result<(), String> {
+        if end > self.capacity {
+            return Err(out_of_range(what, end, self.capacity));
+        }
+        Ok(())
     }
 }
 
@@ -154,9 +158,7 @@ impl Backend {
                     .map_err(|e| e.to_string())
             }
             (_, Memory::Host(host)) => {
-                if bytes.len() > host.capacity() {
-                    return Err(out_of_range("a write", bytes.len(), host.capacity()));
-                }
+                host.check("a write", bytes.len())?;
                 // SAFETY: in bounds (checked), and `bytes` cannot overlap memory we own.
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host.bytes(), bytes.len()) };
                 Ok(())
@@ -176,9 +178,7 @@ impl Backend {
                 stream.synchronize().map_err(|e| e.to_string())
             }
             (_, Memory::Host(host)) => {
-                if out.len() > host.capacity() {
-                    return Err(out_of_range("a read", out.len(), host.capacity()));
-                }
+                host.check("a read", out.len())?;
                 // SAFETY: in bounds (checked); no launch is running (launches are synchronous).
                 unsafe { std::ptr::copy_nonoverlapping(host.bytes(), out.as_mut_ptr(), out.len()) };
                 Ok(())
@@ -209,9 +209,8 @@ impl Backend {
                     .map_err(|e| e.to_string())
             }
             (_, Memory::Host(src), Memory::Host(dst)) => {
-                if len > src.capacity() || at + len > dst.capacity() {
-                    return Err(out_of_range("a copy", at + len, dst.capacity()));
-                }
+                src.check("a copy", len)?;
+                dst.check("a copy", at + len)?;
                 // SAFETY: both in bounds (checked); two owned buffers do not overlap.
                 unsafe { std::ptr::copy_nonoverlapping(src.bytes(), dst.bytes().add(at), len) };
                 Ok(())

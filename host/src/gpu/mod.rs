@@ -180,20 +180,32 @@ impl GpuRuntime {
 /// printing why the test is skipped. With `WRK_REQUIRE_GPU=1` a missing GPU fails the test.
 #[cfg(test)]
 pub(crate) fn test_gpu(test: &str) -> Option<Arc<GpuRuntime>> {
-    match detect::probe(0) {
-        Ok(device) => match GpuRuntime::start(device, Some(1 << 30), Transfers::default()) {
-            Ok(runtime) => Some(runtime),
-            Err(e) => panic!("{test}: a GPU was found but the runtime did not start: {e}"),
-        },
+    match probe_for_test(test) {
+        Ok(runtime) => Some(runtime),
         Err(reason) => {
-            assert!(
-                !gpu_required(),
-                "{test}: WRK_REQUIRE_GPU=1 but no GPU can be used: {reason}"
-            );
             println!(
                 "SKIPPED {test}: no CUDA device found ({reason}); set WRK_REQUIRE_GPU=1 to make this a failure"
             );
             None
+        }
+    }
+}
+
+/// The runtime on GPU 0, or why there is none (a failure under `WRK_REQUIRE_GPU=1`).
+#[cfg(test)]
+fn probe_for_test(test: &str) -> Result<Arc<GpuRuntime>, detect::NoGpu> {
+    match detect::probe(0) {
+        Ok(device) => match GpuRuntime::start(device, Some(1 << 30), Transfers::default()) {
+            Ok(runtime) => Ok(runtime),
+            Err(e) => panic!("{test}: a GPU was found but the runtime did not start: {e}"),
+        },
+        Err(reason) => {
+            let required = std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1");
+            assert!(
+                !required,
+                "{test}: WRK_REQUIRE_GPU=1 but no GPU can be used: {reason}"
+            );
+            Err(reason)
         }
     }
 }
@@ -203,8 +215,8 @@ pub(crate) fn test_gpu(test: &str) -> Option<Arc<GpuRuntime>> {
 /// C++ compiler). With `WRK_REQUIRE_GPU=1` only a real GPU will do.
 #[cfg(test)]
 pub(crate) fn test_device(test: &str) -> Option<Arc<GpuRuntime>> {
-    if gpu_required() || detect::probe(0).is_ok() {
-        return test_gpu(test);
+    if let Ok(runtime) = probe_for_test(test) {
+        return Some(runtime);
     }
     if !emulator::compiler_present() {
         println!(
@@ -217,9 +229,4 @@ pub(crate) fn test_device(test: &str) -> Option<Arc<GpuRuntime>> {
         Ok(runtime) => Some(runtime),
         Err(e) => panic!("{test}: the emulated device did not start: {e}"),
     }
-}
-
-#[cfg(test)]
-fn gpu_required() -> bool {
-    std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }

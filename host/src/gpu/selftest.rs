@@ -32,14 +32,17 @@ pub enum SelfTestError {
 
 /// A deterministic table of `rows` rows: ints with nulls, floats with nulls, NaN and -0.0,
 /// strings, booleans.
+/// The next value of a xorshift64 generator.
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
 pub fn sample_table(rows: usize) -> RecordBatch {
     let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = move || xorshift(&mut state);
     let mut k = Vec::with_capacity(rows);
     let mut x = Vec::with_capacity(rows);
     let mut s = Vec::with_capacity(rows);
@@ -386,7 +389,7 @@ mod tests {
         assert!(stats.peak > 0);
     }
 
-    /// Edge values of every register kind, paired pseudo-randomly across 600 rows.
+    /// Edge values of every register kind, drawn pseudo-randomly (with nulls) for 600 rows.
     fn edge_table() -> RecordBatch {
         let longs = [0, 1, -1, 7, -7, i64::MIN, i64::MAX, 1 << 40];
         let divisors = [1, -1, 3, -5, i64::MIN, i64::MAX];
@@ -403,61 +406,28 @@ mod tests {
             1e300,
             -3.0,
         ];
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move |len: usize| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % len as u64) as usize
-        };
-        let rows = 600;
-        let mut pick = |values: &[f64]| -> Vec<Option<f64>> {
-            (0..rows)
+        /// 600 values drawn from `values`, null one time in `values.len() + 1`.
+        fn draw<T: Copy>(values: &[T], state: &mut u64) -> Vec<Option<T>> {
+            (0..600)
                 .map(|_| {
-                    let k = next(values.len() + 1);
-                    values.get(k).copied()
+                    values
+                        .get((xorshift(state) % (values.len() as u64 + 1)) as usize)
+                        .copied()
                 })
                 .collect()
-        };
-        let d = pick(&doubles);
-        let e = pick(&doubles);
-        let index = |v: &Option<f64>| v.map(|x| x.to_bits() as usize);
-        let spread = |v: &[Option<f64>], salt: usize| -> Vec<Option<usize>> {
-            v.iter()
-                .enumerate()
-                .map(|(r, x)| index(x).map(|k| k.wrapping_mul(31).wrapping_add(r * salt)))
-                .collect()
-        };
-        let choose = |keys: &[Option<usize>]| -> Vec<Option<usize>> { keys.to_vec() };
-        let k1 = choose(&spread(&d, 7));
-        let k2 = choose(&spread(&e, 13));
-        let k3 = choose(&spread(&d, 17));
-        let at = |k: &Option<usize>, len: usize| k.map(|k| (k >> 3) % len);
-        let l: Vec<Option<i64>> = k1
-            .iter()
-            .map(|k| at(k, longs.len()).map(|i| longs[i]))
-            .collect();
-        let m: Vec<Option<i64>> = k2
-            .iter()
-            .map(|k| at(k, longs.len()).map(|i| longs[i]))
-            .collect();
-        let nz: Vec<Option<i64>> = k3
-            .iter()
-            .map(|k| at(k, divisors.len()).map(|i| divisors[i]))
-            .collect();
-        let u: Vec<Option<u64>> = k1
-            .iter()
-            .map(|k| at(k, unsigned.len()).map(|i| unsigned[i]))
-            .collect();
-        let v: Vec<Option<u64>> = k2
-            .iter()
-            .map(|k| at(k, unsigned.len()).map(|i| unsigned[i]))
-            .collect();
+        }
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let (d, e) = (draw(&doubles, &mut state), draw(&doubles, &mut state));
+        let (l, m) = (draw(&longs, &mut state), draw(&longs, &mut state));
+        let nz = draw(&divisors, &mut state);
+        let (u, v) = (draw(&unsigned, &mut state), draw(&unsigned, &mut state));
+        let (p, q) = (
+            draw(&[true, false], &mut state),
+            draw(&[true, false], &mut state),
+        );
         let i: Vec<Option<i32>> = l.iter().map(|x| x.map(|x| x as i32)).collect();
         let b8: Vec<Option<u8>> = u.iter().map(|x| x.map(|x| x as u8)).collect();
         let f: Vec<Option<f32>> = e.iter().map(|x| x.map(|x| x as f32)).collect();
-        let p: Vec<Option<bool>> = k1.iter().map(|k| k.map(|k| k % 3 == 0)).collect();
-        let q: Vec<Option<bool>> = k2.iter().map(|k| k.map(|k| k % 2 == 0)).collect();
         RecordBatch::try_from_iter(vec![
             ("l", Arc::new(Int64Array::from(l)) as ArrayRef),
             ("m", Arc::new(Int64Array::from(m)) as ArrayRef),
@@ -525,23 +495,10 @@ mod tests {
         exprs.push(bin(Eq, "p", "q"));
         exprs.push(bin(And, "p", "q"));
         exprs.push(bin(Or, "p", "q"));
-        for op in [
-            UnaryOp::Neg,
-            UnaryOp::Abs,
-            UnaryOp::Sqrt,
-            UnaryOp::Exp,
-            UnaryOp::Log,
-            UnaryOp::Sin,
-            UnaryOp::Cos,
-            UnaryOp::Tan,
-            UnaryOp::Asin,
-            UnaryOp::Acos,
-            UnaryOp::Atan,
-            UnaryOp::Floor,
-            UnaryOp::Ceil,
-            UnaryOp::Round,
-            UnaryOp::IsNull,
-        ] {
+        for op in crate::gpu::kernels::tests::UNARY {
+            if op == UnaryOp::Not {
+                continue;
+            }
             exprs.push(un(op, "d"));
         }
         exprs.push(un(UnaryOp::Neg, "l"));

@@ -371,20 +371,25 @@ T atomicAdd(T* at, U value) {
     }
 }
 
-template <class T, class U>
-T atomicMin(T* at, U value) {
-    T v = (T)value, old = __atomic_load_n(at, __ATOMIC_SEQ_CST);
-    while (v < old && !__atomic_compare_exchange_n(at, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+namespace wrk_emu {
+// Stores `v` while `replaces(v, current)` holds; returns the value before.
+template <class T, class F>
+T store_if(T* at, T v, F replaces) {
+    T old = __atomic_load_n(at, __ATOMIC_SEQ_CST);
+    while (replaces(v, old) && !__atomic_compare_exchange_n(at, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
     }
     return old;
+}
+}  // namespace wrk_emu
+
+template <class T, class U>
+T atomicMin(T* at, U value) {
+    return wrk_emu::store_if(at, (T)value, [](T v, T old) { return v < old; });
 }
 
 template <class T, class U>
 T atomicMax(T* at, U value) {
-    T v = (T)value, old = __atomic_load_n(at, __ATOMIC_SEQ_CST);
-    while (v > old && !__atomic_compare_exchange_n(at, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-    }
-    return old;
+    return wrk_emu::store_if(at, (T)value, [](T v, T old) { return v > old; });
 }
 
 template <class T, class U>

@@ -33,12 +33,36 @@ fn compiler() -> String {
     std::env::var("CXX").unwrap_or_else(|_| "c++".into())
 }
 
+/// The host C++ compiler's `--version` output, asked once per process; `None` if it does not
+/// run.
+fn compiler_version() -> Option<&'static [u8]> {
+    static VERSION: OnceLock<Option<Vec<u8>>> = OnceLock::new();
+    VERSION
+        .get_or_init(|| {
+            Command::new(compiler())
+                .arg("--version")
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|o| o.stdout)
+        })
+        .as_deref()
+}
+
 /// Whether the host C++ compiler runs (the emulator compiles every kernel with it).
 pub fn compiler_present() -> bool {
-    Command::new(compiler())
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
+    compiler_version().is_some()
+}
+
+/// For tests of the emulator: true, after printing a skip line for `test`, when there is no
+/// C++ compiler to run it.
+#[cfg(test)]
+pub(crate) fn skipped_without_compiler(test: &str) -> bool {
+    let skipped = !compiler_present();
+    if skipped {
+        println!("SKIPPED {test}: no C++ compiler for the CUDA emulator (`c++` or $CXX)");
+    }
+    skipped
 }
 
 /// The exported launcher of one kernel: `args[i]` points at the kernel's i-th argument.
@@ -272,15 +296,12 @@ fn header_dir() -> Result<&'static Path, String> {
 }
 
 fn prepare_header_dir() -> Result<PathBuf, String> {
-    let version = Command::new(compiler())
-        .arg("--version")
-        .output()
-        .map_err(|e| format!("running the C++ compiler `{}`: {e}", compiler()))?
-        .stdout;
+    let version = compiler_version()
+        .ok_or_else(|| format!("the C++ compiler `{}` does not run", compiler()))?;
     let key = crate::engine::module_hash(
         &[
             HEADER.as_bytes(),
-            &version,
+            version,
             COMMON_FLAGS.join(" ").as_bytes(),
         ]
         .concat(),
@@ -386,8 +407,7 @@ extern "C" __global__ void count_into(unsigned long long* total, double* sum, lo
 
     #[test]
     fn the_execution_model_runs_barriers_shuffles_and_atomics() {
-        if !compiler_present() {
-            println!("SKIPPED the emulator test: no C++ compiler (`c++` or $CXX)");
+        if skipped_without_compiler("the_execution_model_runs_barriers_shuffles_and_atomics") {
             return;
         }
         let module = EmulatedModule::compile(SOURCE, "the emulator test").unwrap();
@@ -461,8 +481,7 @@ extern "C" __global__ void count_into(unsigned long long* total, double* sum, lo
 
     #[test]
     fn broken_source_is_a_compile_error_naming_the_module() {
-        if !compiler_present() {
-            println!("SKIPPED the emulator test: no C++ compiler (`c++` or $CXX)");
+        if skipped_without_compiler("broken_source_is_a_compile_error_naming_the_module") {
             return;
         }
         let err = EmulatedModule::compile("extern \"C\" __global__ void k( {", "a broken module")

@@ -9,7 +9,7 @@
 
 pub mod fused;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -46,7 +46,7 @@ const BINARY: [BinaryOp; 15] = [
     BinaryOp::Or,
 ];
 
-const UNARY: [UnaryOp; 17] = [
+pub(crate) const UNARY: [UnaryOp; 17] = [
     UnaryOp::Neg,
     UnaryOp::Not,
     UnaryOp::Abs,
