@@ -987,6 +987,7 @@ async fn run_one(args: RunArgs) -> Result<()> {
         sinks: args.sinks.into_iter().collect(),
         module_name: name.clone(),
         shuffle: None,
+        gpu: None,
     });
     let pool = size::resolve(None, None, MachineMemory::detect()?)?.pool;
     let spill = SpillDir::open(

@@ -8,7 +8,7 @@ use wrk_proto::{GpuInfo, GpuTelemetry};
 
 use crate::gpu::detect::{self, DeviceRequest, DeviceUnavailable, Selected};
 use crate::gpu::nvml::{Telemetry, nvml_lookup_keys};
-use crate::gpu::{GpuRuntime, StartError, Transfers, selftest};
+use crate::gpu::{DeviceCounters, GpuRuntime, StartError, selftest};
 use crate::metrics::{GpuMetrics, WorkerMetrics};
 
 /// What the worker was asked for.
@@ -72,8 +72,8 @@ impl WorkerDevice {
         // Registered before the runtime starts, so the self-test's copies are counted too (a
         // worker that then falls back to the CPU exports these families without any series).
         let gpu_metrics = metrics.register_gpu(ordinal);
-        let transfers = Transfers::with_metrics(gpu_metrics.transfers.clone());
-        let started = GpuRuntime::start(probed, config.pool_bytes, transfers)
+        let counters = DeviceCounters::with_metrics(&gpu_metrics);
+        let started = GpuRuntime::start(probed, config.pool_bytes, counters)
             .map_err(|e: StartError| e.to_string())
             .and_then(self_tested);
         let runtime = match started {
@@ -123,8 +123,8 @@ impl WorkerDevice {
             ));
         }
         let gpu_metrics = metrics.register_gpu(0);
-        let transfers = Transfers::with_metrics(gpu_metrics.transfers.clone());
-        let runtime = GpuRuntime::emulated(config.pool_bytes, transfers)
+        let counters = DeviceCounters::with_metrics(&gpu_metrics);
+        let runtime = GpuRuntime::emulated(config.pool_bytes, counters)
             .map_err(|e| e.to_string())
             .and_then(self_tested)
             .map_err(unusable)?;
@@ -160,6 +160,14 @@ impl WorkerDevice {
             telemetry: telemetry.map(|t| Arc::new(Mutex::new(t))),
             metrics: gpu_metrics,
         }))
+    }
+
+    /// The GPU runtime the worker's tasks run their operators on, if it has a GPU.
+    pub fn runtime(&self) -> Option<Arc<GpuRuntime>> {
+        match self {
+            WorkerDevice::Cpu => None,
+            WorkerDevice::Gpu(gpu) => Some(gpu.runtime.clone()),
+        }
     }
 
     /// `cpu`, `gpu:N` or `emulated-gpu`, as registered with the scheduler.

@@ -20,7 +20,7 @@ use wasmtime_wasi::WasiCtxBuilder;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use crate::guest_api::bindings::{Task, TaskPre};
-use crate::guest_api::{CopyStats, TaskInfo, TaskState, WIT_PACKAGE, WIT_VERSION};
+use crate::guest_api::{CopyStats, TaskInfo, TaskState, TaskTable, WIT_PACKAGE, WIT_VERSION};
 use crate::limits::{MemoryLimitExceeded, MemoryLimiter};
 use crate::store::TaskMemory;
 use crate::table::Table;
@@ -460,8 +460,8 @@ impl TaskEngine {
         let instantiate = started.elapsed();
         let handles = inputs
             .into_iter()
-            .map(|table| store.data_mut().table.push(table))
-            .collect::<Result<Vec<Resource<Table>>, _>>()
+            .map(|table| store.data_mut().table.push(TaskTable::Host(table)))
+            .collect::<Result<Vec<Resource<TaskTable>>, _>>()
             .map_err(|e| host_err(e.into()))?;
         let returned = match task.call_run(&mut store, &handles) {
             Ok(returned) => returned,
@@ -483,8 +483,19 @@ impl TaskEngine {
         let outputs = handles
             .into_iter()
             .map(|handle| state.table.delete(handle))
-            .collect::<Result<Vec<Table>, _>>()
+            .collect::<Result<Vec<TaskTable>, _>>()
             .map_err(|e| host_err(e.into()))?;
+        // Outputs go to the store in host memory.
+        let outputs = outputs
+            .iter()
+            .enumerate()
+            .map(|(i, table)| {
+                table.host().map_err(|e| TaskError::Host {
+                    module: module.clone(),
+                    detail: format!("copying output {i} from the device failed: {e}"),
+                })
+            })
+            .collect::<Result<Vec<Table>, _>>()?;
         Ok(TaskRun {
             outputs,
             copies: state.copies,

@@ -295,6 +295,17 @@ impl WorkerMetrics {
                 "device_pool_peak_bytes",
                 "Highest use of the device memory pool since the worker started",
             ),
+            operators: DeviceOperatorMetrics(register(
+                target,
+                IntCounterVec::new(
+                    opts(
+                        "device_operators_total",
+                        "Table operators of guests run by a GPU worker, by operator and where they ran (device, or host when no kernel covers them)",
+                    ),
+                    &["operator", "ran_on"],
+                )
+                .unwrap_or_else(|e| panic!("{e}")),
+            )),
             transfers: DeviceTransferMetrics {
                 bytes: worker_counter(
                     "device_transfer_bytes_total",
@@ -382,6 +393,16 @@ impl DeviceTransferMetrics {
     }
 }
 
+/// Counters of the guests' operators on a GPU worker.
+#[derive(Clone)]
+pub struct DeviceOperatorMetrics(IntCounterVec);
+
+impl DeviceOperatorMetrics {
+    pub fn record(&self, operator: &str, ran_on: &str) {
+        self.0.with_label_values(&[operator, ran_on]).inc();
+    }
+}
+
 /// The series of a GPU worker (see [`WorkerMetrics::register_gpu`]). A value NVML does not
 /// report on the device is left out of the exposition rather than shown as zero.
 #[derive(Clone)]
@@ -399,6 +420,7 @@ pub struct GpuMetrics {
     device_pool_size_bytes: IntGaugeVec,
     device_pool_used_bytes: IntGaugeVec,
     device_pool_peak_bytes: IntGaugeVec,
+    pub operators: DeviceOperatorMetrics,
     pub transfers: DeviceTransferMetrics,
 }
 

@@ -133,6 +133,8 @@ struct Shared {
     /// here than run at once).
     queue: SlotQueue<Assigned>,
     running: std::sync::atomic::AtomicU32,
+    /// The GPU the tasks' operators run on, if the worker has one.
+    gpu: Option<Arc<crate::gpu::GpuRuntime>>,
 }
 
 /// A task assigned to this worker and the flag that cancels it.
@@ -351,6 +353,7 @@ pub async fn run_retirable(
         attempts: Attempts::default(),
         queue: SlotQueue::default(),
         running: Default::default(),
+        gpu: device.runtime(),
     });
     let runtime = tokio::runtime::Handle::current();
     for slot in 0..config.slots.max(1) {
@@ -742,6 +745,7 @@ fn execute(
         sinks: grants(&task.sinks),
         module_name: task.module_name,
         shuffle: shuffle.clone(),
+        gpu: shared.gpu.clone(),
     });
     let run = shared
         .engine

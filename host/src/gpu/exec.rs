@@ -7,6 +7,7 @@
 //! not counted as transfers.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -208,14 +209,14 @@ pub fn filled_u8(runtime: &GpuRuntime, count: usize, value: u8) -> Result<Device
     Ok(buffer)
 }
 
-/// `0, 1, ..., count - 1`.
-pub fn iota(runtime: &GpuRuntime, count: usize) -> Result<DeviceBuffer, ExecError> {
+/// `start, start + 1, ..., start + count - 1`.
+pub fn iota(runtime: &GpuRuntime, start: u32, count: usize) -> Result<DeviceBuffer, ExecError> {
     let buffer = alloc(runtime, count, 4)?;
     run(
         runtime,
         "wrk_iota_u32",
         count,
-        &[Arg::Buf(&buffer), Arg::I64(count as i64)],
+        &[Arg::Buf(&buffer), Arg::U32(start), Arg::I64(count as i64)],
     )?;
     Ok(buffer)
 }
@@ -417,7 +418,7 @@ pub fn gather_table(
     let columns = table
         .columns
         .iter()
-        .map(|c| gather_column(runtime, c, indices, m, false))
+        .map(|c| gather_column(runtime, c, indices, m, false).map(Arc::new))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(DeviceTable {
         schema: table.schema.clone(),

@@ -12,6 +12,8 @@
 //! - [`table`]: columns in device memory; counted host<->device transfers.
 //! - [`exec`]: kernel launches, prefix sums, compaction, gathers and the radix sort.
 //! - [`ops`]: filter, hash-partition, group-by, join, sort and concat on device tables.
+//! - [`resident`]: the device tables of running tasks, spilled to host memory when the pool
+//!   needs room and uploaded again when next used.
 //! - [`selftest`]: every device operator checked against the CPU backend; a worker runs it at
 //!   start on its GPU and falls back to the CPU (or refuses to start) if it fails.
 //!
@@ -28,13 +30,14 @@ pub mod kernels;
 pub mod nvml;
 pub mod ops;
 pub mod pool;
+pub mod resident;
 pub mod selftest;
 pub mod table;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::metrics::DeviceTransferMetrics;
+use crate::metrics::{DeviceOperatorMetrics, DeviceTransferMetrics, GpuMetrics};
 use backend::Backend;
 use detect::{GpuIdentity, ProbedGpu};
 use kernels::{KernelCache, KernelError};
@@ -108,18 +111,95 @@ impl Transfers {
     }
 }
 
+/// Where an operator of a guest ran on a GPU worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RanOn {
+    Device,
+    /// On the CPU backend: no kernel covers the operator or its input's types.
+    Host,
+}
+
+impl RanOn {
+    pub fn label(self) -> &'static str {
+        match self {
+            RanOn::Device => "device",
+            RanOn::Host => "host",
+        }
+    }
+}
+
+/// Counts of the guests' operators by where they ran.
+#[derive(Default)]
+pub struct OperatorCounts {
+    device: AtomicU64,
+    host: AtomicU64,
+    metrics: Option<DeviceOperatorMetrics>,
+}
+
+impl OperatorCounts {
+    pub fn record(&self, operator: &str, ran_on: RanOn) {
+        let count = match ran_on {
+            RanOn::Device => &self.device,
+            RanOn::Host => &self.host,
+        };
+        count.fetch_add(1, Ordering::Relaxed);
+        if let Some(metrics) = &self.metrics {
+            metrics.record(operator, ran_on.label());
+        }
+    }
+
+    /// Operators run so far on the device and on the host.
+    pub fn totals(&self) -> (u64, u64) {
+        (
+            self.device.load(Ordering::Relaxed),
+            self.host.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// What a GPU runtime counts: transfers and operators.
+#[derive(Default)]
+pub struct DeviceCounters {
+    pub transfers: Transfers,
+    pub operators: OperatorCounts,
+}
+
+impl DeviceCounters {
+    /// Counters that also feed the worker's metrics.
+    pub fn with_metrics(metrics: &GpuMetrics) -> Self {
+        DeviceCounters {
+            transfers: Transfers::with_metrics(metrics.transfers.clone()),
+            operators: OperatorCounts {
+                metrics: Some(metrics.operators.clone()),
+                ..OperatorCounts::default()
+            },
+        }
+    }
+}
+
 /// A worker's GPU, ready to run operators: its backend (context and stream), memory pool,
-/// kernels and transfer counters.
+/// kernels, the device tables of running tasks, and counters.
 pub struct GpuRuntime {
     pub device: GpuIdentity,
     pub backend: Arc<Backend>,
     pub pool: DevicePool,
     pub kernels: KernelCache,
+    pub resident: resident::Residents,
     pub transfers: Transfers,
+    pub operators: OperatorCounts,
 }
 
 /// The emulated device's pool when no `--device-pool-size` is given.
 pub const EMULATED_POOL_BYTES: u64 = 1 << 30;
+
+impl std::fmt::Debug for GpuRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuRuntime")
+            .field("device", &self.device)
+            .field("pool", &self.pool.stats())
+            .finish_non_exhaustive()
+    }
+}
 
 impl GpuRuntime {
     /// Starts the runtime on a probed device: sizes the pool (`pool_bytes` from `--pool-size`,
@@ -127,7 +207,7 @@ impl GpuRuntime {
     pub fn start(
         device: ProbedGpu,
         pool_bytes: Option<u64>,
-        transfers: Transfers,
+        counters: DeviceCounters,
     ) -> Result<Arc<Self>, StartError> {
         let ProbedGpu { identity, context } = device;
         let (free, total) = context
@@ -141,26 +221,29 @@ impl GpuRuntime {
         let kernels = KernelCache::new(context.clone())?;
         let backend = Arc::new(Backend::Cuda { context, stream });
         let pool = DevicePool::new(backend.clone(), budget)?;
-        Ok(Arc::new(GpuRuntime {
+        Ok(GpuRuntime {
             device: identity,
             backend,
             pool,
             kernels,
-            transfers,
-        }))
+            resident: resident::Residents::default(),
+            transfers: counters.transfers,
+            operators: counters.operators,
+        }
+        .spilling())
     }
 
     /// Starts the runtime on the emulated device ([`emulator`]): the kernels compiled for the
     /// host, a pool of `pool_bytes` (default [`EMULATED_POOL_BYTES`]) in host memory.
     pub fn emulated(
         pool_bytes: Option<u64>,
-        transfers: Transfers,
+        counters: DeviceCounters,
     ) -> Result<Arc<Self>, StartError> {
         let capacity = pool_bytes.unwrap_or(EMULATED_POOL_BYTES);
         let kernels = KernelCache::emulated()?;
         let backend = Arc::new(Backend::Emulated);
         let pool = DevicePool::new(backend.clone(), capacity)?;
-        Ok(Arc::new(GpuRuntime {
+        Ok(GpuRuntime {
             device: GpuIdentity {
                 ordinal: 0,
                 name: emulator::DEVICE_NAME.into(),
@@ -171,8 +254,20 @@ impl GpuRuntime {
             backend,
             pool,
             kernels,
-            transfers,
-        }))
+            resident: resident::Residents::default(),
+            transfers: counters.transfers,
+            operators: counters.operators,
+        }
+        .spilling())
+    }
+
+    /// The runtime, its pool spilling resident device tables to host memory when full.
+    fn spilling(self) -> Arc<Self> {
+        let runtime = Arc::new(self);
+        runtime
+            .pool
+            .set_eviction_hook(Arc::new(resident::Spiller::new(&runtime)));
+        runtime
     }
 }
 
@@ -195,7 +290,7 @@ pub(crate) fn test_gpu(test: &str) -> Option<Arc<GpuRuntime>> {
 #[cfg(test)]
 fn probe_for_test(test: &str) -> Result<Arc<GpuRuntime>, detect::NoGpu> {
     match detect::probe(0) {
-        Ok(device) => match GpuRuntime::start(device, Some(1 << 30), Transfers::default()) {
+        Ok(device) => match GpuRuntime::start(device, Some(1 << 30), DeviceCounters::default()) {
             Ok(runtime) => Ok(runtime),
             Err(e) => panic!("{test}: a GPU was found but the runtime did not start: {e}"),
         },
@@ -225,7 +320,7 @@ pub(crate) fn test_device(test: &str) -> Option<Arc<GpuRuntime>> {
         return None;
     }
     println!("{test}: no CUDA device found; running on the CUDA emulator (host CPU)");
-    match GpuRuntime::emulated(Some(1 << 30), Transfers::default()) {
+    match GpuRuntime::emulated(Some(1 << 30), DeviceCounters::default()) {
         Ok(runtime) => Some(runtime),
         Err(e) => panic!("{test}: the emulated device did not start: {e}"),
     }

@@ -11,7 +11,9 @@
 //!   keys, ascending or descending, nulls first or last;
 //! - [`join`] on one fixed-width key pair: inner, left, semi, anti (build on the right table:
 //!   its valid rows sorted by key, runs hashed; probe with the left);
-//! - [`concat`] of tables with the same columns.
+//! - [`concat`] of tables with the same columns;
+//! - [`select`], [`with_columns`] (columns shared with the input, not copied), [`slice`] and
+//!   [`top_k`] (a sort, then a slice).
 //!
 //! What a kernel does not cover yet (string keys or several group/join keys, count-distinct,
 //! string expressions) is refused with [`GpuOpError::Unsupported`]: the caller keeps that
@@ -116,7 +118,7 @@ fn storage_suffix(data_type: &DataType) -> Option<&'static str> {
 
 /// A copy of `column` (device to device).
 fn copy_column(runtime: &GpuRuntime, column: &DeviceColumn) -> Result<DeviceColumn, GpuOpError> {
-    let indices = iota(runtime, column.len)?;
+    let indices = iota(runtime, 0, column.len)?;
     Ok(gather_column(runtime, column, &indices, column.len, false)?)
 }
 
@@ -177,6 +179,112 @@ pub fn evaluate(
         offsets: None,
         validity: Some(out_valid),
     })
+}
+
+/// The named columns of `table`, in that order: shared with `table`, not copied.
+pub fn select(table: &DeviceTable, names: &[String]) -> Result<DeviceTable, GpuOpError> {
+    let mut fields = Vec::with_capacity(names.len());
+    let mut columns = Vec::with_capacity(names.len());
+    for name in names {
+        let index = table
+            .schema
+            .index_of(name)
+            .map_err(|_| GpuOpError::Invalid {
+                operator: "select",
+                detail: format!(
+                    "no column `{name}` (the table has: {})",
+                    crate::expr::column_list(&table.schema)
+                ),
+            })?;
+        fields.push(table.schema.field(index).clone());
+        columns.push(table.columns[index].clone());
+    }
+    Ok(DeviceTable {
+        schema: Arc::new(Schema::new(fields)),
+        columns,
+        rows: table.rows,
+    })
+}
+
+/// `table` with a column per `(name, expression)`, each evaluated over `table` as it came:
+/// a name the table has is replaced in place, a new one appended. The input's other columns
+/// are shared, not copied.
+pub fn with_columns(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    columns: &[(String, &Expr)],
+) -> Result<DeviceTable, GpuOpError> {
+    let mut fields: Vec<Field> = table
+        .schema
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
+    let mut out = table.columns.clone();
+    for (name, expr) in columns {
+        let column = match expr {
+            // A column under another name: the same device buffers.
+            Expr::Column(source) => table
+                .schema
+                .index_of(source)
+                .ok()
+                .map(|i| table.columns[i].clone())
+                .ok_or_else(|| GpuOpError::Invalid {
+                    operator: "with-columns",
+                    detail: format!("no column `{source}`"),
+                })?,
+            _ => Arc::new(evaluate(runtime, table, expr)?),
+        };
+        let field = Field::new(name, column.data_type.clone(), column.validity.is_some());
+        match fields.iter().position(|f| f.name() == name) {
+            Some(i) => {
+                fields[i] = field;
+                out[i] = column;
+            }
+            None => {
+                fields.push(field);
+                out.push(column);
+            }
+        }
+    }
+    Ok(DeviceTable {
+        schema: Arc::new(Schema::new(fields)),
+        columns: out,
+        rows: table.rows,
+    })
+}
+
+/// Rows `offset..offset + length` of `table`, clipped to its rows (as `cpu::ops::slice`).
+pub fn slice(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    offset: u64,
+    length: u64,
+) -> Result<DeviceTable, GpuOpError> {
+    let rows = table.rows;
+    let offset = usize::try_from(offset).unwrap_or(usize::MAX).min(rows);
+    let length = usize::try_from(length)
+        .unwrap_or(usize::MAX)
+        .min(rows - offset);
+    check_rows(rows)?;
+    // `check_rows` bounds `rows`, hence `offset`, to `u32`.
+    let start = u32::try_from(offset).unwrap_or(u32::MAX);
+    let indices = iota(runtime, start, length)?;
+    Ok(gather_table(runtime, table, &indices, length)?)
+}
+
+/// The first `k` rows of the order `keys` gives: [`sort`], then [`slice`].
+pub fn top_k(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    keys: &[SortKey],
+    k: u64,
+) -> Result<DeviceTable, GpuOpError> {
+    let sorted = sort(runtime, table, keys)?;
+    if (sorted.rows as u64) <= k {
+        return Ok(sorted);
+    }
+    slice(runtime, &sorted, 0, k)
 }
 
 /// The rows of `table` where `predicate` is true (null counts as false).
@@ -305,7 +413,7 @@ pub fn sort(
     }
     let n = table.rows;
     check_rows(n)?;
-    let mut perm = iota(runtime, n)?;
+    let mut perm = iota(runtime, 0, n)?;
     let words = alloc(runtime, n, 8)?;
     // LSD: the last key first; within a key, its values first and its null pass last.
     for key in keys.iter().rev() {
@@ -449,7 +557,7 @@ pub fn group_by(
             Arg::I64(groups as i64),
         ],
     )?;
-    let order = radix_sort(runtime, &first_words, iota(runtime, groups)?, groups)?;
+    let order = radix_sort(runtime, &first_words, iota(runtime, 0, groups)?, groups)?;
     let group_of_slot = alloc(runtime, slots, 4)?;
     let group_first_row = alloc(runtime, groups, 4)?;
     run(
@@ -487,18 +595,18 @@ pub fn group_by(
             })?
             .clone(),
     ];
-    let mut columns = vec![gather_column(
+    let mut columns = vec![Arc::new(gather_column(
         runtime,
         key_column,
         &group_first_row,
         groups,
         false,
-    )?];
+    )?)];
     for aggregate in aggregates {
         let values = column_of(table, OP, &aggregate.column)?;
         let column = aggregate_column(runtime, table, values, aggregate, &row_group, groups)?;
         fields.push(Field::new(&aggregate.alias, column.data_type.clone(), true));
-        columns.push(column);
+        columns.push(Arc::new(column));
     }
     Ok(DeviceTable {
         schema: Arc::new(Schema::new(fields)),
@@ -736,7 +844,7 @@ pub fn join(
             Arg::I64(b as i64),
         ],
     )?;
-    let order = radix_sort(runtime, &build_words, iota(runtime, b)?, b)?;
+    let order = radix_sort(runtime, &build_words, iota(runtime, 0, b)?, b)?;
     let build_order = alloc(runtime, b, 4)?;
     run(
         runtime,
@@ -876,7 +984,9 @@ pub fn join(
             field.data_type().clone(),
             field.is_nullable() || unmatched,
         ));
-        columns.push(gather_column(runtime, column, &build_out, m, unmatched)?);
+        columns.push(Arc::new(gather_column(
+            runtime, column, &build_out, m, unmatched,
+        )?));
     }
     Ok(DeviceTable {
         schema: Arc::new(Schema::new(fields)),
@@ -912,8 +1022,8 @@ pub fn concat(runtime: &GpuRuntime, tables: &[&DeviceTable]) -> Result<DeviceTab
     check_rows(rows)?;
     let mut columns = Vec::with_capacity(first.columns.len());
     for c in 0..first.columns.len() {
-        let parts: Vec<&DeviceColumn> = tables.iter().map(|t| &t.columns[c]).collect();
-        columns.push(concat_column(runtime, &parts, rows)?);
+        let parts: Vec<&DeviceColumn> = tables.iter().map(|t| t.columns[c].as_ref()).collect();
+        columns.push(Arc::new(concat_column(runtime, &parts, rows)?));
     }
     let fields: Vec<Field> = first
         .schema

@@ -13,7 +13,7 @@ use arrow::datatypes::{DataType, Float64Type};
 
 use super::GpuRuntime;
 use super::ops;
-use super::table::{download, upload};
+use super::table::{download, download_array, upload};
 use crate::cpu;
 use crate::cpu::join::JoinType;
 use crate::cpu::ops::{Aggregate, AggregateFn};
@@ -209,17 +209,10 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
     };
     let on_device =
         ops::evaluate(runtime, &device, &expr).map_err(|e| failed("evaluate")(e.to_string()))?;
-    let on_device = download(
-        runtime,
-        &super::table::DeviceTable {
-            schema: Arc::new(arrow::datatypes::Schema::new(vec![
-                arrow::datatypes::Field::new("e", on_device.data_type.clone(), true),
-            ])),
-            columns: vec![on_device],
-            rows: table.num_rows(),
-        },
-    )
-    .map_err(|e| failed("evaluate")(e.to_string()))?;
+    let on_device =
+        download_array(runtime, "e", &on_device).map_err(|e| failed("evaluate")(e.to_string()))?;
+    let on_device = RecordBatch::try_from_iter(vec![("e", on_device)])
+        .map_err(|e| failed("evaluate")(e.to_string()))?;
     let on_host =
         cpu::eval::evaluate(&expr, table).map_err(|e| failed("evaluate")(e.to_string()))?;
     let on_host = RecordBatch::try_from_iter(vec![("e", on_host)])
@@ -299,6 +292,34 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         .map_err(|e| failed("sort")(e.to_string()))?;
     let h = cpu::sort::sort(table, &sort_keys).map_err(|e| failed("sort")(e.to_string()))?;
     compare("sort", &d, &h, 0.0)?;
+    let k = table.num_rows() as u64 / 3 + 1;
+    let d = ops::top_k(runtime, &device, &sort_keys, k)
+        .and_then(|t| Ok(download(runtime, &t)?))
+        .map_err(|e| failed("top-k")(e.to_string()))?;
+    let h = cpu::sort::top_k(table, &sort_keys, k).map_err(|e| failed("top-k")(e.to_string()))?;
+    compare("top-k", &d, &h, 0.0)?;
+
+    // Slices, one running past the end.
+    let rows = table.num_rows() as u64;
+    for (offset, length) in [(rows / 4, rows / 2), (rows / 2, rows), (rows + 1, 3)] {
+        let d = ops::slice(runtime, &device, offset, length)
+            .and_then(|t| Ok(download(runtime, &t)?))
+            .map_err(|e| failed("slice")(e.to_string()))?;
+        compare("slice", &d, &cpu::ops::slice(table, offset, length), 0.0)?;
+    }
+
+    // New and replaced columns (one a renamed column), then a selection of them.
+    let renamed = Expr::col("x");
+    let added = [("e".to_string(), &expr), ("k".to_string(), &renamed)];
+    let names = ["e".to_string(), "id".to_string(), "k".to_string()];
+    let d = ops::with_columns(runtime, &device, &added)
+        .and_then(|t| ops::select(&t, &names))
+        .and_then(|t| Ok(download(runtime, &t)?))
+        .map_err(|e| failed("with-columns")(e.to_string()))?;
+    let h = cpu::ops::with_columns(table, &added)
+        .and_then(|t| cpu::ops::select(&t, &names))
+        .map_err(|e| failed("with-columns")(e.to_string()))?;
+    compare("with-columns", &d, &h, 1e-12)?;
 
     // Joins with the (smaller) dimension table: the CPU builds on it too, so orders agree.
     let dimension = dimension_table();
@@ -543,17 +564,9 @@ mod tests {
             let on_device = ops::evaluate(&runtime, &device, expr);
             match (on_host, on_device) {
                 (Ok(h), Ok(d)) => {
-                    let d = download(
-                        &runtime,
-                        &super::super::table::DeviceTable {
-                            schema: Arc::new(arrow::datatypes::Schema::new(vec![
-                                arrow::datatypes::Field::new("v", d.data_type.clone(), true),
-                            ])),
-                            columns: vec![d],
-                            rows: table.num_rows(),
-                        },
-                    )
-                    .unwrap_or_else(|e| panic!("{expr}: {e}"));
+                    let d =
+                        download_array(&runtime, "v", &d).unwrap_or_else(|e| panic!("{expr}: {e}"));
+                    let d = RecordBatch::try_from_iter(vec![("v", d)]).unwrap();
                     let h = RecordBatch::try_from_iter(vec![("v", h)]).unwrap();
                     compare(&expr.to_string(), &d, &h, 1e-12).unwrap_or_else(|e| panic!("{e}"));
                     checked += 1;

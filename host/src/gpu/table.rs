@@ -48,6 +48,15 @@ pub fn device_type(data_type: &DataType) -> bool {
     value_width(data_type).is_some() || *data_type == DataType::Utf8
 }
 
+/// Whether every column of `schema` can be uploaded (dictionary-encoded ones are written out
+/// as their values).
+pub fn uploadable(schema: &arrow::datatypes::Schema) -> bool {
+    schema.fields().iter().all(|f| match f.data_type() {
+        DataType::Dictionary(_, values) => device_type(values),
+        other => device_type(other),
+    })
+}
+
 /// One column in device memory.
 pub struct DeviceColumn {
     pub data_type: DataType,
@@ -60,10 +69,11 @@ pub struct DeviceColumn {
     pub validity: Option<DeviceBuffer>,
 }
 
-/// A table in device memory.
+/// A table in device memory. Columns are shared between tables (a selection, a renamed or an
+/// added column takes no copy) and freed with the last table holding them.
 pub struct DeviceTable {
     pub schema: SchemaRef,
-    pub columns: Vec<DeviceColumn>,
+    pub columns: Vec<Arc<DeviceColumn>>,
     pub rows: usize,
 }
 
@@ -73,9 +83,10 @@ impl DeviceTable {
             .index_of(name)
             .ok()
             .and_then(|i| self.columns.get(i))
+            .map(Arc::as_ref)
     }
 
-    /// Device bytes held (for the memory manager).
+    /// Device bytes of the table's columns, including columns it shares with other tables.
     pub fn bytes(&self) -> u64 {
         self.columns
             .iter()
@@ -238,7 +249,7 @@ pub fn upload(runtime: &GpuRuntime, batch: &RecordBatch) -> Result<DeviceTable, 
         }
         let (column, bytes) = upload_column(runtime, field.name(), array)?;
         copied += bytes;
-        columns.push(column);
+        columns.push(Arc::new(column));
     }
     runtime.backend.synchronize().map_err(TableError::Copy)?;
     runtime.transfers.record(Direction::ToDevice, copied);
@@ -316,6 +327,17 @@ fn download_column(
         }
     };
     Ok((array, copied))
+}
+
+/// Copies one device column back to the host as an Arrow array: one counted transfer.
+pub fn download_array(
+    runtime: &GpuRuntime,
+    name: &str,
+    column: &DeviceColumn,
+) -> Result<ArrayRef, TableError> {
+    let (array, copied) = download_column(runtime, name, column)?;
+    runtime.transfers.record(Direction::ToHost, copied);
+    Ok(array)
 }
 
 /// Copies a device table back to the host: one counted transfer.

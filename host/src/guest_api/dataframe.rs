@@ -1,4 +1,5 @@
-//! The `dataframe` interface: `expr`, `column` and `table` handles over the CPU backend.
+//! The `dataframe` interface: `expr`, `column` and `table` handles, their operators run on the
+//! GPU or the CPU backend (see [`super::dispatch`]).
 
 use std::sync::Arc;
 
@@ -14,13 +15,16 @@ use arrow::record_batch::RecordBatch;
 use wasmtime::component::Resource;
 
 use super::bindings::wrk::task::dataframe::{Host, HostColumn, HostExpr, HostTable};
+use super::dispatch::{DeviceOp, Placed};
 use super::wit::{
     Aggregate, AggregateOp, BinaryOp, ColumnValues, DataType, Error, ErrorCode, Field, JoinType,
     Scalar, SortKey, UnaryOp, Values,
 };
-use super::{ExprHandle, TaskState, error};
+use super::{ExprHandle, TaskState, TaskTable, error};
 use crate::cpu::{dictionary, eval, join, ops, partition, sort};
 use crate::expr::{Expr, ExprError, Literal};
+use crate::gpu::ops as gpu_ops;
+use crate::gpu::table::download_array;
 use crate::table::{Column, Table, decode_ipc, encode_ipc};
 
 impl Host for TaskState {}
@@ -93,15 +97,11 @@ impl TaskState {
         Ok(self.table.get(handle)?.0.clone())
     }
 
-    fn host_table(&self, handle: &Resource<Table>) -> wasmtime::Result<Table> {
-        Ok(self.table.get(handle)?.clone())
-    }
-
     /// Stores an operator's result as a new table handle, or passes its error to the guest.
     fn table_result(
         &mut self,
         result: Result<RecordBatch, Error>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         match result {
             Ok(batch) => self.push_table(batch),
             Err(e) => Ok(Err(e)),
@@ -396,7 +396,7 @@ impl HostTable for TaskState {
     fn from_columns(
         &mut self,
         columns: Vec<Resource<Column>>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let columns = columns
             .iter()
             .map(|c| Ok(self.table.get(c)?.clone()))
@@ -426,18 +426,17 @@ impl HostTable for TaskState {
 
     fn concat(
         &mut self,
-        tables: Vec<Resource<Table>>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let tables = tables
-            .iter()
-            .map(|t| self.host_table(t))
-            .collect::<wasmtime::Result<Vec<Table>>>()?;
-        let batches: Vec<&RecordBatch> = tables.iter().map(Table::batch).collect();
-        let result = ops::concat(&batches).map_err(op_error);
-        self.table_result(result)
+        tables: Vec<Resource<TaskTable>>,
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
+        let inputs: Vec<&Resource<TaskTable>> = tables.iter().collect();
+        let device: DeviceOp = &|gpu, tables| gpu_ops::concat(gpu, tables);
+        self.table_op("concat", &inputs, Some(device), |tables| {
+            let batches: Vec<&RecordBatch> = tables.iter().map(Table::batch).collect();
+            ops::concat(&batches).map_err(op_error)
+        })
     }
 
-    fn from_ipc(&mut self, bytes: Vec<u8>) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    fn from_ipc(&mut self, bytes: Vec<u8>) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         self.copies.out_of_guest_bytes += bytes.len() as u64;
         let result = decode_ipc(&bytes).map_err(|e| {
             error(
@@ -448,9 +447,10 @@ impl HostTable for TaskState {
         self.table_result(result)
     }
 
-    fn schema(&mut self, self_: Resource<Table>) -> wasmtime::Result<Vec<Field>> {
-        let table = self.host_table(&self_)?;
-        Ok(table
+    fn schema(&mut self, self_: Resource<TaskTable>) -> wasmtime::Result<Vec<Field>> {
+        Ok(self
+            .table
+            .get(&self_)?
             .schema()
             .fields()
             .iter()
@@ -462,53 +462,72 @@ impl HostTable for TaskState {
             .collect())
     }
 
-    fn num_rows(&mut self, self_: Resource<Table>) -> wasmtime::Result<u64> {
-        Ok(self.host_table(&self_)?.num_rows() as u64)
+    fn num_rows(&mut self, self_: Resource<TaskTable>) -> wasmtime::Result<u64> {
+        Ok(self.table.get(&self_)?.num_rows() as u64)
     }
 
     fn column(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         name: String,
     ) -> wasmtime::Result<Result<Resource<Column>, Error>> {
-        let table = self.host_table(&self_)?;
-        match table.batch().column_by_name(&name) {
-            Some(array) => Ok(Ok(self.table.push(Column::new(name, array.clone()))?)),
-            None => Ok(Err(error(
+        let schema = self.table.get(&self_)?.schema();
+        if schema.index_of(&name).is_err() {
+            return Ok(Err(error(
                 ErrorCode::UnknownColumn,
                 format!(
                     "unknown column `{name}` (the table has: {})",
-                    crate::expr::column_list(&table.schema())
+                    crate::expr::column_list(&schema)
                 ),
+            )));
+        }
+        // Column handles are host arrays: a table only on the device gives just this column.
+        let array = match self.table.get(&self_)? {
+            TaskTable::Device(resident) => resident.column_on_host(&name),
+            TaskTable::Host(table) => Ok(table.batch().column_by_name(&name).cloned()),
+        };
+        match array {
+            Ok(Some(array)) => Ok(Ok(self.table.push(Column::new(name, array))?)),
+            Ok(None) => Ok(Err(error(
+                ErrorCode::Internal,
+                format!("column `{name}` vanished from its table"),
+            ))),
+            Err(e) => Ok(Err(error(
+                ErrorCode::Internal,
+                format!("column `{name}`: copying it from the device failed: {e}"),
             ))),
         }
     }
 
     fn select(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         columns: Vec<String>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let table = self.host_table(&self_)?;
-        self.table_result(ops::select(table.batch(), &columns).map_err(op_error))
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
+        let device: DeviceOp = &|_, t| gpu_ops::select(t[0], &columns);
+        self.table_op("select", &[&self_], Some(device), |t| {
+            ops::select(t[0].batch(), &columns).map_err(op_error)
+        })
     }
 
     fn filter(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         predicate: Resource<ExprHandle>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let table = self.host_table(&self_)?;
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let predicate = self.expr(&predicate)?;
-        self.table_result(ops::filter(table.batch(), &predicate).map_err(op_error))
+        let device: DeviceOp = &|gpu, t| gpu_ops::filter(gpu, t[0], &predicate);
+        self.table_op("filter", &[&self_], Some(device), |t| {
+            ops::filter(t[0].batch(), &predicate).map_err(op_error)
+        })
     }
 
     fn with_columns(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         names: Vec<String>,
         values: Vec<Resource<ExprHandle>>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         if names.len() != values.len() {
             return Ok(Err(error(
                 ErrorCode::InvalidArgument,
@@ -519,7 +538,6 @@ impl HostTable for TaskState {
                 ),
             )));
         }
-        let table = self.host_table(&self_)?;
         let exprs = values
             .iter()
             .map(|v| self.expr(v))
@@ -528,147 +546,195 @@ impl HostTable for TaskState {
             .into_iter()
             .zip(exprs.iter().map(|e| e.as_ref()))
             .collect();
-        self.table_result(ops::with_columns(table.batch(), &pairs).map_err(op_error))
+        let device: DeviceOp = &|gpu, t| gpu_ops::with_columns(gpu, t[0], &pairs);
+        self.table_op("with-columns", &[&self_], Some(device), |t| {
+            ops::with_columns(t[0].batch(), &pairs).map_err(op_error)
+        })
     }
 
     fn evaluate(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         value: Resource<ExprHandle>,
     ) -> wasmtime::Result<Result<Resource<Column>, Error>> {
-        let table = self.host_table(&self_)?;
         let expr = self.expr(&value)?;
-        match eval::evaluate(&expr, table.batch()) {
-            Ok(array) => self.push_column(expr.to_string(), array),
-            Err(e) => Ok(Err(expr_error(e))),
+        let device: DeviceOp<_> = &|gpu, t| gpu_ops::evaluate(gpu, t[0], &expr);
+        let placed = self.run_on_device_or_host("evaluate", &[&self_], Some(device), |t| {
+            eval::evaluate(&expr, t[0].batch()).map_err(expr_error)
+        })?;
+        let name = expr.to_string();
+        // Column handles are host arrays: the device's result is downloaded.
+        let array = match placed {
+            Ok(Placed::Device(gpu, column)) => download_array(&gpu, &name, &column).map_err(|e| {
+                error(
+                    ErrorCode::Internal,
+                    format!("evaluate: copying `{name}` from the device failed: {e}"),
+                )
+            }),
+            Ok(Placed::Host(array)) => Ok(array),
+            Err(e) => Err(e),
+        };
+        match array {
+            Ok(array) => self.push_column(name, array),
+            Err(e) => Ok(Err(e)),
         }
     }
 
     fn group_by(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         keys: Vec<String>,
         aggregates: Vec<Aggregate>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let table = self.host_table(&self_)?;
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let aggregates = host_aggregates(aggregates);
-        self.table_result(ops::group_by(table.batch(), &keys, &aggregates).map_err(op_error))
+        let device: DeviceOp = &|gpu, t| gpu_ops::group_by(gpu, t[0], &keys, &aggregates);
+        self.table_op("group-by", &[&self_], Some(device), |t| {
+            ops::group_by(t[0].batch(), &keys, &aggregates).map_err(op_error)
+        })
     }
 
     fn aggregate(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         aggregates: Vec<Aggregate>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let table = self.host_table(&self_)?;
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let aggregates = host_aggregates(aggregates);
-        self.table_result(ops::aggregate(table.batch(), &aggregates).map_err(op_error))
+        self.table_op("aggregate", &[&self_], None, |t| {
+            ops::aggregate(t[0].batch(), &aggregates).map_err(op_error)
+        })
     }
 
     fn slice(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         offset: u64,
         length: u64,
-    ) -> wasmtime::Result<Resource<Table>> {
-        let table = self.host_table(&self_)?;
-        Ok(self
-            .table
-            .push(Table::new(ops::slice(table.batch(), offset, length)))?)
+    ) -> wasmtime::Result<Resource<TaskTable>> {
+        let device: DeviceOp = &|gpu, t| gpu_ops::slice(gpu, t[0], offset, length);
+        let sliced = self.table_op("slice", &[&self_], Some(device), |t| {
+            Ok(ops::slice(t[0].batch(), offset, length))
+        })?;
+        // A slice cannot fail on the host; a failed copy from the device is the host's error.
+        sliced.map_err(|e| wasmtime::Error::msg(e.message))
     }
 
-    fn head(&mut self, self_: Resource<Table>, n: u64) -> wasmtime::Result<Resource<Table>> {
+    fn head(
+        &mut self,
+        self_: Resource<TaskTable>,
+        n: u64,
+    ) -> wasmtime::Result<Resource<TaskTable>> {
         self.slice(self_, 0, n)
     }
 
     fn join(
         &mut self,
-        self_: Resource<Table>,
-        right: Resource<Table>,
+        self_: Resource<TaskTable>,
+        right: Resource<TaskTable>,
         left_on: Vec<String>,
         right_on: Vec<String>,
         how: JoinType,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let (left, right) = (self.host_table(&self_)?, self.host_table(&right)?);
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let how = match how {
             JoinType::Inner => join::JoinType::Inner,
             JoinType::Left => join::JoinType::Left,
             JoinType::Semi => join::JoinType::Semi,
             JoinType::Anti => join::JoinType::Anti,
         };
-        // A table every task of the worker shares is built on, once: its index is cached.
-        let cache = self.memory.store().build_cache();
-        let build = if right.is_shared() {
-            join::Build::Shared {
-                side: join::Side::Right,
-                cache,
-            }
-        } else if left.is_shared() {
-            join::Build::Shared {
-                side: join::Side::Left,
-                cache,
-            }
-        } else {
-            join::Build::Smaller
-        };
-        let result = join::join_with(left.batch(), right.batch(), &left_on, &right_on, how, build);
-        self.table_result(result.map_err(op_error))
+        let device: DeviceOp = &|gpu, t| gpu_ops::join(gpu, t[0], t[1], &left_on, &right_on, how);
+        let cache = self.memory.store().clone();
+        self.table_op("join", &[&self_, &right], Some(device), |t| {
+            let (left, right) = (&t[0], &t[1]);
+            // A table every task of the worker shares is built on, once: its index is cached.
+            let cache = cache.build_cache();
+            let build = if right.is_shared() {
+                join::Build::Shared {
+                    side: join::Side::Right,
+                    cache,
+                }
+            } else if left.is_shared() {
+                join::Build::Shared {
+                    side: join::Side::Left,
+                    cache,
+                }
+            } else {
+                join::Build::Smaller
+            };
+            join::join_with(left.batch(), right.batch(), &left_on, &right_on, how, build)
+                .map_err(op_error)
+        })
     }
 
     fn sort(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         keys: Vec<SortKey>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let table = self.host_table(&self_)?;
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let keys = sort_keys(keys);
-        self.table_result(sort::sort(table.batch(), &keys).map_err(op_error))
+        let device: DeviceOp = &|gpu, t| gpu_ops::sort(gpu, t[0], &keys);
+        self.table_op("sort", &[&self_], Some(device), |t| {
+            sort::sort(t[0].batch(), &keys).map_err(op_error)
+        })
     }
 
     fn top_k(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         keys: Vec<SortKey>,
         k: u64,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let table = self.host_table(&self_)?;
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let keys = sort_keys(keys);
-        self.table_result(sort::top_k(table.batch(), &keys, k).map_err(op_error))
+        let device: DeviceOp = &|gpu, t| gpu_ops::top_k(gpu, t[0], &keys, k);
+        self.table_op("top-k", &[&self_], Some(device), |t| {
+            sort::top_k(t[0].batch(), &keys, k).map_err(op_error)
+        })
     }
 
     fn distinct(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         columns: Option<Vec<String>>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
-        let table = self.host_table(&self_)?;
-        let result = ops::distinct(table.batch(), columns.as_deref());
-        self.table_result(result.map_err(op_error))
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
+        self.table_op("distinct", &[&self_], None, |t| {
+            ops::distinct(t[0].batch(), columns.as_deref()).map_err(op_error)
+        })
     }
 
     fn hash_partition(
         &mut self,
-        self_: Resource<Table>,
+        self_: Resource<TaskTable>,
         keys: Vec<String>,
         partitions: u32,
-    ) -> wasmtime::Result<Result<Vec<Resource<Table>>, Error>> {
-        let table = self.host_table(&self_)?;
-        let parts = match partition::hash_partition(table.batch(), &keys, partitions) {
-            Ok(parts) => parts,
-            Err(e) => return Ok(Err(op_error(e))),
-        };
-        let mut handles = Vec::with_capacity(parts.len());
-        for part in parts {
-            match self.push_table(part)? {
-                Ok(handle) => handles.push(handle),
-                Err(e) => return Ok(Err(e)),
+    ) -> wasmtime::Result<Result<Vec<Resource<TaskTable>>, Error>> {
+        let device: DeviceOp<_> = &|gpu, t| gpu_ops::hash_partition(gpu, t[0], &keys, partitions);
+        let placed =
+            self.run_on_device_or_host("hash-partition", &[&self_], Some(device), |t| {
+                partition::hash_partition(t[0].batch(), &keys, partitions).map_err(op_error)
+            })?;
+        let mut handles = Vec::new();
+        match placed {
+            Ok(Placed::Device(gpu, parts)) => {
+                for part in parts {
+                    handles.push(self.push_device(&gpu, part)?);
+                }
             }
+            Ok(Placed::Host(parts)) => {
+                for part in parts {
+                    match self.push_table(part)? {
+                        Ok(handle) => handles.push(handle),
+                        Err(e) => return Ok(Err(e)),
+                    }
+                }
+            }
+            Err(e) => return Ok(Err(e)),
         }
         Ok(Ok(handles))
     }
 
-    fn to_ipc(&mut self, self_: Resource<Table>) -> wasmtime::Result<Result<Vec<u8>, Error>> {
-        let table = self.host_table(&self_)?;
+    fn to_ipc(&mut self, self_: Resource<TaskTable>) -> wasmtime::Result<Result<Vec<u8>, Error>> {
+        let table = match self.host_input(&self_, "to-ipc")? {
+            Ok(table) => table,
+            Err(e) => return Ok(Err(e)),
+        };
         // The guest sees value types: dictionary-encoded columns are written out.
         match dictionary::plain_batch(table.batch()).and_then(|batch| encode_ipc(&batch)) {
             Ok(bytes) => {
@@ -679,7 +745,7 @@ impl HostTable for TaskState {
         }
     }
 
-    fn drop(&mut self, rep: Resource<Table>) -> wasmtime::Result<()> {
+    fn drop(&mut self, rep: Resource<TaskTable>) -> wasmtime::Result<()> {
         self.table.delete(rep)?;
         Ok(())
     }

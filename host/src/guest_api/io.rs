@@ -4,8 +4,7 @@ use wasmtime::component::Resource;
 
 use super::bindings::wrk::task::io::{Host, ReadOptions};
 use super::wit::{Error, ErrorCode};
-use super::{ExprHandle, TaskState, error};
-use crate::table::Table;
+use super::{ExprHandle, TaskState, TaskTable, error};
 
 fn granted<'a>(
     grants: &'a std::collections::BTreeMap<String, String>,
@@ -59,7 +58,7 @@ impl Host for TaskState {
         &mut self,
         source: String,
         options: ReadOptions,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let uri = match granted(&self.info.sources, "source", &source) {
             Ok(uri) => uri.to_string(),
             Err(e) => return Ok(Err(e)),
@@ -76,7 +75,7 @@ impl Host for TaskState {
         source: String,
         options: ReadOptions,
         predicate: Resource<ExprHandle>,
-    ) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let uri = match granted(&self.info.sources, "source", &source) {
             Ok(uri) => uri.to_string(),
             Err(e) => return Ok(Err(e)),
@@ -94,7 +93,7 @@ impl Host for TaskState {
         &mut self,
         sink: String,
         name: String,
-        data: Resource<Table>,
+        data: Resource<TaskTable>,
     ) -> wasmtime::Result<Result<String, Error>> {
         let uri = match granted(&self.info.sinks, "sink", &sink) {
             Ok(uri) => uri.to_string(),
@@ -107,7 +106,10 @@ impl Host for TaskState {
             "{}-{:05}-{name}",
             self.info.stage_name, self.info.task_index
         );
-        let table = self.table.get(&data)?.clone();
+        let table = match self.host_input(&data, "write-parquet")? {
+            Ok(table) => table,
+            Err(e) => return Ok(Err(e)),
+        };
         match crate::io::write_table(&uri, &object, table.batch()) {
             Ok(location) => Ok(Ok(location)),
             Err(e) => Ok(Err(error(ErrorCode::Io, format!("sink `{sink}`: {e}")))),

@@ -7,9 +7,11 @@
 
 mod context;
 mod dataframe;
+mod dispatch;
 mod io;
 mod memory;
 mod shuffle;
+mod task_table;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,6 +25,7 @@ use crate::expr::Expr;
 use crate::limits::MemoryLimiter;
 use crate::store::{PoolError, TaskMemory};
 use crate::table::{Column, Table};
+pub use task_table::TaskTable;
 
 /// Bindings generated from `wit/` by wasmtime.
 pub mod bindings {
@@ -31,7 +34,7 @@ pub mod bindings {
         world: "task",
         imports: { default: trappable },
         with: {
-            "wrk:task/dataframe.table": crate::table::Table,
+            "wrk:task/dataframe.table": crate::guest_api::TaskTable,
             "wrk:task/dataframe.column": crate::table::Column,
             "wrk:task/dataframe.expr": crate::guest_api::ExprHandle,
             "wrk:task/memory.lease": crate::store::Lease,
@@ -72,6 +75,8 @@ pub struct TaskInfo {
     pub module_name: String,
     /// The exchanges the task sends to and receives from, when it runs in a cluster.
     pub shuffle: Option<Arc<crate::shuffle::TaskShuffle>>,
+    /// The worker's GPU, on which the task's table operators run where kernels cover them.
+    pub gpu: Option<Arc<crate::gpu::GpuRuntime>>,
 }
 
 /// Bytes a task explicitly copied between host tables and its own memory.
@@ -128,11 +133,27 @@ impl TaskState {
     pub(crate) fn push_table(
         &mut self,
         batch: RecordBatch,
-    ) -> wasmtime::Result<Result<Resource<Table>, wit::Error>> {
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, wit::Error>> {
         if let Err(e) = self.memory.track(&batch) {
             return Ok(Err(self.pool_error(e)));
         }
-        Ok(Ok(self.table.push(Table::new(batch))?))
+        Ok(Ok(self.table.push(TaskTable::Host(Table::new(batch)))?))
+    }
+
+    /// The table behind `handle` in host memory (downloaded from the device, counted, if it
+    /// is only there), or the guest's error naming `operation` when that copy fails.
+    pub(crate) fn host_input(
+        &self,
+        handle: &Resource<TaskTable>,
+        operation: &str,
+    ) -> wasmtime::Result<Result<Table, wit::Error>> {
+        let table = self.table.get(handle)?;
+        Ok(table.host().map_err(|e| {
+            error(
+                wit::ErrorCode::Internal,
+                format!("{operation}: copying the table from the device failed: {e}"),
+            )
+        }))
     }
 
     /// Stores a column the task made as a new handle; see [`TaskState::push_table`].

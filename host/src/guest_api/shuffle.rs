@@ -5,7 +5,7 @@ use wasmtime::component::Resource;
 
 use super::bindings::wrk::task::shuffle::{Host, HostPieces};
 use super::wit::{Error, ErrorCode};
-use super::{TaskState, error};
+use super::{TaskState, TaskTable, error};
 use crate::cpu::partition;
 use crate::shuffle::pieces::PieceError;
 use crate::shuffle::{PieceStream, ShuffleError, TaskShuffle};
@@ -51,10 +51,13 @@ impl Host for TaskState {
     fn send(
         &mut self,
         exchange: String,
-        data: Resource<Table>,
+        data: Resource<TaskTable>,
         keys: Vec<String>,
     ) -> wasmtime::Result<Result<(), Error>> {
-        let table = self.table.get(&data)?.clone();
+        let table = match self.host_input(&data, "shuffle.send")? {
+            Ok(table) => table,
+            Err(e) => return Ok(Err(e)),
+        };
         let shuffle = match self.shuffle() {
             Ok(shuffle) => shuffle,
             Err(e) => return Ok(Err(e)),
@@ -78,11 +81,22 @@ impl Host for TaskState {
     fn send_partitions(
         &mut self,
         exchange: String,
-        parts: Vec<Resource<Table>>,
+        parts: Vec<Resource<TaskTable>>,
     ) -> wasmtime::Result<Result<(), Error>> {
         let mut tables = Vec::with_capacity(parts.len());
         for part in parts {
-            tables.push(self.table.delete(part)?);
+            let part = self.table.delete(part)?;
+            match part.host() {
+                Ok(table) => tables.push(table),
+                Err(e) => {
+                    return Ok(Err(error(
+                        ErrorCode::Internal,
+                        format!(
+                            "shuffle.send-partitions: copying a partition from the device failed: {e}"
+                        ),
+                    )));
+                }
+            }
         }
         if let Some(first) = tables.first()
             && let Some(other) = tables.iter().find(|t| t.schema() != first.schema())
@@ -114,12 +128,15 @@ impl Host for TaskState {
         }
     }
 
-    fn receive(&mut self, exchange: String) -> wasmtime::Result<Result<Resource<Table>, Error>> {
+    fn receive(
+        &mut self,
+        exchange: String,
+    ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let received = self
             .shuffle()
             .and_then(|s| s.receive(&exchange, &self.memory).map_err(shuffle_error));
         match received {
-            Ok(table) => Ok(Ok(self.table.push(table)?)),
+            Ok(table) => Ok(Ok(self.table.push(TaskTable::Host(table))?)),
             Err(e) => Ok(Err(e)),
         }
     }
@@ -129,11 +146,11 @@ impl HostPieces for TaskState {
     fn next(
         &mut self,
         pieces: Resource<PieceStream>,
-    ) -> wasmtime::Result<Result<Option<Resource<Table>>, Error>> {
+    ) -> wasmtime::Result<Result<Option<Resource<TaskTable>>, Error>> {
         let memory = self.memory.clone();
         let next = self.table.get_mut(&pieces)?.next(&memory);
         match next {
-            Ok(Some(table)) => Ok(Ok(Some(self.table.push(table)?))),
+            Ok(Some(table)) => Ok(Ok(Some(self.table.push(TaskTable::Host(table))?))),
             Ok(None) => Ok(Ok(None)),
             Err(e) => Ok(Err(shuffle_error(e))),
         }

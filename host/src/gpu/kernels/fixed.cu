@@ -296,8 +296,8 @@ extern "C" __global__ void wrk_fill_u32(wrk_u32* dst, wrk_u32 value, wrk_i64 n) 
 extern "C" __global__ void wrk_fill_u8(wrk_u8* dst, wrk_u8 value, wrk_i64 n) {
     WRK_ROWS(i, n) { dst[i] = value; }
 }
-extern "C" __global__ void wrk_iota_u32(wrk_u32* dst, wrk_i64 n) {
-    WRK_ROWS(i, n) { dst[i] = (wrk_u32)i; }
+extern "C" __global__ void wrk_iota_u32(wrk_u32* dst, wrk_u32 start, wrk_i64 n) {
+    WRK_ROWS(i, n) { dst[i] = start + (wrk_u32)i; }
 }
 
 // ---------------------------------------------------------------------------------------------
