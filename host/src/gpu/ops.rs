@@ -116,6 +116,51 @@ fn storage_suffix(data_type: &DataType) -> Option<&'static str> {
     })
 }
 
+/// Whether the kernels cover `expr` over a table of `schema` (a device table's schema, see
+/// [`super::table::device_schema`]). These `covers` checks let a caller keep a table off the
+/// device for an operator that would refuse it; each operator checks again and says why.
+pub fn expression_covers(schema: &Schema, expr: &Expr) -> bool {
+    matches!(expr, Expr::Column(_)) || fused::generate(expr, schema).is_ok()
+}
+
+/// Whether the kernels cover sorting a table of `schema` by `keys`: every key fixed-width.
+pub fn sort_covers(schema: &Schema, keys: &[SortKey]) -> bool {
+    keys.iter().all(|k| {
+        schema
+            .field_with_name(&k.column)
+            .is_ok_and(|f| storage_suffix(f.data_type()).is_some())
+    })
+}
+
+/// Whether the kernels cover a group-by of a table of `schema`: one fixed-width key, no
+/// count-distinct.
+pub fn group_by_covers(schema: &Schema, keys: &[String], aggregates: &[Aggregate]) -> bool {
+    let [key] = keys else {
+        return false;
+    };
+    schema
+        .field_with_name(key)
+        .is_ok_and(|f| storage_suffix(f.data_type()).is_some())
+        && aggregates
+            .iter()
+            .all(|a| a.function != AggregateFn::CountDistinct)
+}
+
+/// Whether the kernels cover joining tables of `left` and `right` on these keys: one key on
+/// each side, of types the kernels compare as the CPU backend does.
+pub fn join_covers(left: &Schema, right: &Schema, left_on: &[String], right_on: &[String]) -> bool {
+    let ([left_key], [right_key]) = (left_on, right_on) else {
+        return false;
+    };
+    match (
+        left.field_with_name(left_key),
+        right.field_with_name(right_key),
+    ) {
+        (Ok(l), Ok(r)) => joinable(l.data_type(), r.data_type()),
+        _ => false,
+    }
+}
+
 /// A copy of `column` (device to device).
 fn copy_column(runtime: &GpuRuntime, column: &DeviceColumn) -> Result<DeviceColumn, GpuOpError> {
     let indices = iota(runtime, 0, column.len)?;

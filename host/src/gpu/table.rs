@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use arrow::array::{Array, ArrayData, ArrayRef, BooleanArray, RecordBatch, make_array};
 use arrow::buffer::{Buffer, MutableBuffer, NullBuffer};
-use arrow::datatypes::{DataType, SchemaRef};
+use arrow::datatypes::{DataType, Schema, SchemaRef};
 
 use super::pool::{DeviceBuffer, PoolError};
 use super::{Direction, GpuRuntime};
@@ -48,13 +48,29 @@ pub fn device_type(data_type: &DataType) -> bool {
     value_width(data_type).is_some() || *data_type == DataType::Utf8
 }
 
-/// Whether every column of `schema` can be uploaded (dictionary-encoded ones are written out
-/// as their values).
-pub fn uploadable(schema: &arrow::datatypes::Schema) -> bool {
-    schema.fields().iter().all(|f| match f.data_type() {
-        DataType::Dictionary(_, values) => device_type(values),
-        other => device_type(other),
-    })
+/// The schema a table of `schema` has once uploaded: dictionary-encoded columns are written
+/// out as their values.
+pub fn device_schema(schema: &Schema) -> Schema {
+    Schema::new(
+        schema
+            .fields()
+            .iter()
+            .map(|f| match f.data_type() {
+                DataType::Dictionary(_, values) => {
+                    f.as_ref().clone().with_data_type(values.as_ref().clone())
+                }
+                _ => f.as_ref().clone(),
+            })
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// Whether every column of `schema` can be uploaded.
+pub fn uploadable(schema: &Schema) -> bool {
+    device_schema(schema)
+        .fields()
+        .iter()
+        .all(|f| device_type(f.data_type()))
 }
 
 /// One column in device memory.

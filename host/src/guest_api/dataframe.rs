@@ -517,7 +517,9 @@ impl HostTable for TaskState {
     ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let predicate = self.expr(&predicate)?;
         let device: DeviceOp = &|gpu, t| gpu_ops::filter(gpu, t[0], &predicate);
-        self.table_op("filter", &[&self_], Some(device), |t| {
+        let covered =
+            self.device_covers(&[&self_], |s| gpu_ops::expression_covers(&s[0], &predicate))?;
+        self.table_op("filter", &[&self_], covered.then_some(device), |t| {
             ops::filter(t[0].batch(), &predicate).map_err(op_error)
         })
     }
@@ -547,7 +549,12 @@ impl HostTable for TaskState {
             .zip(exprs.iter().map(|e| e.as_ref()))
             .collect();
         let device: DeviceOp = &|gpu, t| gpu_ops::with_columns(gpu, t[0], &pairs);
-        self.table_op("with-columns", &[&self_], Some(device), |t| {
+        let covered = self.device_covers(&[&self_], |s| {
+            pairs
+                .iter()
+                .all(|(_, e)| gpu_ops::expression_covers(&s[0], e))
+        })?;
+        self.table_op("with-columns", &[&self_], covered.then_some(device), |t| {
             ops::with_columns(t[0].batch(), &pairs).map_err(op_error)
         })
     }
@@ -559,7 +566,10 @@ impl HostTable for TaskState {
     ) -> wasmtime::Result<Result<Resource<Column>, Error>> {
         let expr = self.expr(&value)?;
         let device: DeviceOp<_> = &|gpu, t| gpu_ops::evaluate(gpu, t[0], &expr);
-        let placed = self.run_on_device_or_host("evaluate", &[&self_], Some(device), |t| {
+        let covered =
+            self.device_covers(&[&self_], |s| gpu_ops::expression_covers(&s[0], &expr))?;
+        let device = covered.then_some(device);
+        let placed = self.run_on_device_or_host("evaluate", &[&self_], device, |t| {
             eval::evaluate(&expr, t[0].batch()).map_err(expr_error)
         })?;
         let name = expr.to_string();
@@ -588,7 +598,10 @@ impl HostTable for TaskState {
     ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let aggregates = host_aggregates(aggregates);
         let device: DeviceOp = &|gpu, t| gpu_ops::group_by(gpu, t[0], &keys, &aggregates);
-        self.table_op("group-by", &[&self_], Some(device), |t| {
+        let covered = self.device_covers(&[&self_], |s| {
+            gpu_ops::group_by_covers(&s[0], &keys, &aggregates)
+        })?;
+        self.table_op("group-by", &[&self_], covered.then_some(device), |t| {
             ops::group_by(t[0].batch(), &keys, &aggregates).map_err(op_error)
         })
     }
@@ -641,8 +654,11 @@ impl HostTable for TaskState {
             JoinType::Anti => join::JoinType::Anti,
         };
         let device: DeviceOp = &|gpu, t| gpu_ops::join(gpu, t[0], t[1], &left_on, &right_on, how);
+        let covered = self.device_covers(&[&self_, &right], |s| {
+            gpu_ops::join_covers(&s[0], &s[1], &left_on, &right_on)
+        })?;
         let cache = self.memory.store().clone();
-        self.table_op("join", &[&self_, &right], Some(device), |t| {
+        self.table_op("join", &[&self_, &right], covered.then_some(device), |t| {
             let (left, right) = (&t[0], &t[1]);
             // A table every task of the worker shares is built on, once: its index is cached.
             let cache = cache.build_cache();
@@ -671,7 +687,8 @@ impl HostTable for TaskState {
     ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let keys = sort_keys(keys);
         let device: DeviceOp = &|gpu, t| gpu_ops::sort(gpu, t[0], &keys);
-        self.table_op("sort", &[&self_], Some(device), |t| {
+        let covered = self.device_covers(&[&self_], |s| gpu_ops::sort_covers(&s[0], &keys))?;
+        self.table_op("sort", &[&self_], covered.then_some(device), |t| {
             sort::sort(t[0].batch(), &keys).map_err(op_error)
         })
     }
@@ -684,7 +701,8 @@ impl HostTable for TaskState {
     ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let keys = sort_keys(keys);
         let device: DeviceOp = &|gpu, t| gpu_ops::top_k(gpu, t[0], &keys, k);
-        self.table_op("top-k", &[&self_], Some(device), |t| {
+        let covered = self.device_covers(&[&self_], |s| gpu_ops::sort_covers(&s[0], &keys))?;
+        self.table_op("top-k", &[&self_], covered.then_some(device), |t| {
             sort::top_k(t[0].batch(), &keys, k).map_err(op_error)
         })
     }

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use arrow::datatypes::Schema;
 use arrow::record_batch::RecordBatch;
 use wasmtime::component::Resource;
 
@@ -13,7 +14,7 @@ use super::{TaskState, TaskTable, error};
 use crate::gpu::exec::ExecError;
 use crate::gpu::ops::GpuOpError;
 use crate::gpu::resident::ResidentTable;
-use crate::gpu::table::{DeviceTable, TableError, uploadable};
+use crate::gpu::table::{DeviceTable, TableError, device_schema, uploadable};
 use crate::gpu::{GpuRuntime, RanOn};
 use crate::table::Table;
 
@@ -39,6 +40,23 @@ impl TaskState {
     /// The worker's GPU, when it has one.
     pub(crate) fn gpu(&self) -> Option<Arc<GpuRuntime>> {
         self.info.gpu.clone()
+    }
+
+    /// Whether the worker has a GPU whose kernels cover an operator on `inputs`, by `covers`
+    /// over their schemas as device tables (see `gpu::ops::expression_covers`).
+    pub(crate) fn device_covers(
+        &self,
+        inputs: &[&Resource<TaskTable>],
+        covers: impl FnOnce(&[Schema]) -> bool,
+    ) -> wasmtime::Result<bool> {
+        if self.info.gpu.is_none() {
+            return Ok(false);
+        }
+        let schemas = inputs
+            .iter()
+            .map(|h| Ok(device_schema(&self.table.get(h)?.schema())))
+            .collect::<wasmtime::Result<Vec<Schema>>>()?;
+        Ok(covers(&schemas))
     }
 
     /// Stores a device operator's result as a new table handle.

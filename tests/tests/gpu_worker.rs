@@ -1,0 +1,230 @@
+//! Jobs on a worker whose GPU is the CUDA emulator (`wrk worker --device emulated-gpu`: the
+//! kernels of a real GPU compiled for the host; the closest substitute for a GPU in CI). The
+//! guests' operators run on the device where kernels cover them and on the CPU backend where
+//! they do not; the answers match the reference and the CPU workers', tables cross between host
+//! and device only at the edges, and the tasks' device memory is freed when they end.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::datatypes::{DataType, Float64Type};
+use common::*;
+
+/// The value of the series `series` (its name and labels as written) in a Prometheus text
+/// exposition, or 0 when it is absent.
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn operators(text: &str, operator: &str, ran_on: &str) -> f64 {
+    metric(
+        text,
+        &format!(r#"wrk_worker_device_operators_total{{operator="{operator}",ran_on="{ran_on}"}}"#),
+    )
+}
+
+fn transferred(text: &str, direction: &str) -> f64 {
+    metric(
+        text,
+        &format!(r#"wrk_worker_device_transfer_bytes_total{{direction="{direction}"}}"#),
+    )
+}
+
+/// `wrk submit` of `guest-examples/<example>` with its sources, on the scheduler at `url` or
+/// (with `None`) on an embedded two-worker CPU cluster; returns the result file, in `out`.
+fn submit(
+    example: &str,
+    sources: &[(&str, &Path)],
+    url: Option<&str>,
+    out: &Path,
+) -> std::path::PathBuf {
+    let where_ = if url.is_some() { "device" } else { "cpu" };
+    let result = out.join(format!("{example}-{where_}.parquet"));
+    let mut command = Command::new(wrk());
+    command
+        .arg("submit")
+        .arg(workspace_root().join(format!("guest-examples/{example}/job.toml")))
+        .args(["--quiet", "--output"])
+        .arg(&result)
+        .arg("--module")
+        .arg(guest(example));
+    match url {
+        Some(url) => command.args(["--scheduler", url]),
+        None => command.args(["--workers", "2"]),
+    };
+    for (name, path) in sources {
+        command
+            .arg("--source")
+            .arg(format!("{name}={}", path.display()));
+    }
+    let run = command.output().expect("run wrk submit");
+    assert!(
+        run.status.success(),
+        "{example} failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    result
+}
+
+/// A result file's rows, string columns as plain strings.
+fn read(path: &Path) -> RecordBatch {
+    let batch =
+        wrk_host::io::read_source(&path.to_string_lossy(), &[], None, None).expect("read result");
+    wrk_host::cpu::dictionary::plain_batch(&batch).expect("decode dictionaries")
+}
+
+/// Asserts two results hold the same rows in the same order: floats to 1e-9 relative (sums
+/// add in another order on the device), everything else exactly.
+fn assert_same_rows(what: &str, device: &RecordBatch, cpu: &RecordBatch) {
+    assert_eq!(device.num_rows(), cpu.num_rows(), "{what}: rows");
+    let names = |b: &RecordBatch| -> Vec<String> {
+        b.schema()
+            .fields()
+            .iter()
+            .map(|f| f.name().clone())
+            .collect()
+    };
+    assert_eq!(names(device), names(cpu), "{what}: columns");
+    for (i, field) in cpu.schema().fields().iter().enumerate() {
+        let (d, c) = (device.column(i), cpu.column(i));
+        assert_eq!(d.data_type(), c.data_type(), "{what}: `{}`", field.name());
+        if d.data_type().is_floating() {
+            let cast = |a| arrow::compute::cast(a, &DataType::Float64).unwrap();
+            let (d, c) = (cast(d), cast(c));
+            let (d, c) = (
+                d.as_primitive::<Float64Type>(),
+                c.as_primitive::<Float64Type>(),
+            );
+            for row in 0..c.len() {
+                let (x, y) = (d.value(row), c.value(row));
+                assert!(
+                    (x - y).abs() <= 1e-9 * y.abs().max(1.0),
+                    "{what}: `{}` row {row}: {x} on the device, {y} on the CPU",
+                    field.name()
+                );
+            }
+        } else {
+            assert_eq!(d.as_ref(), c.as_ref(), "{what}: `{}`", field.name());
+        }
+    }
+}
+
+#[test]
+fn jobs_on_an_emulated_gpu_worker_run_on_the_device_and_match_the_cpu() {
+    let compiler = Command::new("c++")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !compiler {
+        println!("SKIPPED jobs on an emulated GPU worker: no C++ compiler (`c++`)");
+        return;
+    }
+    for example in ["taxi-haversine", "fare-stats", "zone-join", "top-fares"] {
+        let _ = guest(example);
+    }
+    let data = taxi_dataset(50_000, 2, 10_000);
+    let trips = data.path().to_path_buf();
+    let dimensions = tempfile::tempdir().unwrap();
+    wrk_cli::taxi::generate_dimensions(dimensions.path(), 12_500, 11).unwrap();
+    let zones = dimensions.path().join("zones");
+
+    let mut processes = Processes(Vec::new());
+    let scheduler = start_scheduler(&mut processes, &[], &[]);
+    let url = scheduler.url.clone();
+    processes.0.push(start_worker(
+        &url,
+        "gpu-worker",
+        &[
+            "--device",
+            "emulated-gpu",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    ));
+    wait_for_workers(&url, 1, None);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let status = runtime
+        .block_on(wrk_cli::client::cluster_status(&url, None))
+        .unwrap();
+    let worker = status.workers[0].clone();
+    assert_eq!(worker.device, "emulated-gpu");
+    let scrape = || http_get(&worker.http_address, "/metrics").1;
+    // The worker's start-up self-test moved tables too: a job's transfers are the change.
+    let start = scrape();
+    let used_at_start = metric(&start, "wrk_worker_device_pool_used_bytes");
+
+    // The taxi job: every operator has a kernel. Two `distance` tasks (one per file) make a
+    // fused haversine kernel and a group-by each; one `summary` task a concat, a group-by, the
+    // mean, the selection and the sort.
+    let out = tempfile::tempdir().unwrap();
+    let result = submit(
+        "taxi-haversine",
+        &[("trips", &trips)],
+        Some(&url),
+        out.path(),
+    );
+    let taxi = scrape();
+    assert_summaries_match(&read_summary(&result), &taxi_reference(data.path()));
+    assert_eq!(operators(&taxi, "with-columns", "device"), 3.0, "{taxi}");
+    assert_eq!(operators(&taxi, "group-by", "device"), 3.0, "{taxi}");
+    for operator in ["concat", "select", "sort"] {
+        assert_eq!(
+            operators(&taxi, operator, "device"),
+            1.0,
+            "{operator}: {taxi}"
+        );
+    }
+    assert!(
+        !taxi.contains(r#"ran_on="host""#),
+        "every operator of the taxi job has a kernel: {taxi}"
+    );
+    // The trips went up once per task; only the small per-task results came back.
+    let up = transferred(&taxi, "to_device") - transferred(&start, "to_device");
+    let down = transferred(&taxi, "to_host") - transferred(&start, "to_host");
+    assert!(up >= 50_000.0 * (4.0 * 8.0 + 4.0), "uploaded {up} bytes");
+    assert!(down > 0.0 && down < up / 100.0, "downloaded {down} bytes");
+
+    // Jobs with operators no kernel covers: two-key group-bys (fare-stats), a group-by on
+    // strings after a join on the device (zone-join); and a top-k on the device (top-fares).
+    for (example, sources) in [
+        ("fare-stats", vec![("trips", trips.as_path())]),
+        (
+            "zone-join",
+            vec![("trips", trips.as_path()), ("zones", zones.as_path())],
+        ),
+        ("top-fares", vec![("trips", trips.as_path())]),
+    ] {
+        let on_device = read(&submit(example, &sources, Some(&url), out.path()));
+        let on_cpu = read(&submit(example, &sources, None, out.path()));
+        assert!(on_cpu.num_rows() > 0, "{example}");
+        assert_same_rows(example, &on_device, &on_cpu);
+    }
+    let after = scrape();
+    let ran = |operator, on| operators(&after, operator, on) - operators(&taxi, operator, on);
+    assert!(ran("group-by", "host") >= 3.0, "{after}");
+    assert!(ran("join", "device") >= 2.0, "{after}");
+    assert!(ran("top-k", "device") >= 2.0, "{after}");
+
+    // The tasks' device tables were freed when they ended (the gauge follows the heartbeats).
+    let waited = Instant::now();
+    loop {
+        let used = metric(&scrape(), "wrk_worker_device_pool_used_bytes");
+        if used == used_at_start {
+            break;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(20),
+            "{used} bytes of the device pool still used after the jobs, {used_at_start} at start"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
