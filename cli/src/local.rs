@@ -29,6 +29,18 @@ pub struct LocalClusterConfig {
     pub pool: Option<SizeSpec>,
     /// Where workers spill (each in its own subdirectory); `None`: the default spill root.
     pub spill_root: Option<PathBuf>,
+    /// The first worker's device; the others use the CPU backend (one worker per GPU).
+    pub device: wrk_host::gpu::detect::DeviceRequest,
+}
+
+/// How long the workers of a local cluster whose first worker drives `device` may take to
+/// register: a GPU worker compiles its kernels and runs its self-test first (minutes on the
+/// CUDA emulator in a debug build).
+pub fn start_timeout(device: wrk_host::gpu::detect::DeviceRequest) -> Duration {
+    match device {
+        wrk_host::gpu::detect::DeviceRequest::Cpu => Duration::from_secs(30),
+        _ => Duration::from_secs(180),
+    }
 }
 
 /// Each of `workers` workers' pool, checked against the machine.
@@ -130,10 +142,14 @@ impl LocalCluster {
                 ucx_part_threshold: None,
                 pool_bytes,
                 spill_root: spill_root.clone(),
-                // Many local workers share one machine: they would all claim GPU 0 and a pool
-                // each, so the embedded cluster runs on the CPU backend.
+                // Many local workers share one machine: one GPU is driven by one worker (with
+                // the pool it sizes from the GPU's free memory), the others use the CPU.
                 device: wrk_host::device::DeviceConfig {
-                    request: wrk_host::gpu::detect::DeviceRequest::Cpu,
+                    request: if index == 0 {
+                        config.device
+                    } else {
+                        wrk_host::gpu::detect::DeviceRequest::Cpu
+                    },
                     pool_bytes: None,
                 },
                 tags: Vec::new(),

@@ -224,6 +224,11 @@ struct ClusterArgs {
     /// directory).
     #[arg(long)]
     spill_dir: Option<PathBuf>,
+    /// The device of the first worker (one worker drives one GPU; the others use the CPU):
+    /// `cpu`, `gpu:N`, `auto` (the first GPU, else the CPU) or `emulated-gpu` (the GPU backend
+    /// on the CUDA emulator: for testing, slow; needs a C++ compiler).
+    #[arg(long, default_value = "cpu")]
+    device: DeviceRequest,
 }
 
 #[derive(clap::Args)]
@@ -735,6 +740,7 @@ async fn submit(args: SubmitArgs) -> Result<()> {
         ),
         None => {
             let workers = args.cluster.workers.unwrap_or_else(default_workers);
+            let timeout = wrk_cli::local::start_timeout(args.cluster.device);
             let cluster = LocalCluster::start(LocalClusterConfig {
                 workers,
                 slots_per_worker: args.cluster.slots,
@@ -746,11 +752,10 @@ async fn submit(args: SubmitArgs) -> Result<()> {
                 http: None,
                 pool: args.cluster.pool_size,
                 spill_root: args.cluster.spill_dir,
+                device: args.cluster.device,
             })
             .await?;
-            cluster
-                .wait_for_workers(workers, Duration::from_secs(30))
-                .await?;
+            cluster.wait_for_workers(workers, timeout).await?;
             (cluster.scheduler_url.clone(), Some(cluster))
         }
     };
@@ -804,6 +809,7 @@ async fn submit(args: SubmitArgs) -> Result<()> {
 
 async fn up(cluster: ClusterArgs, listen: SocketAddr, http_listen: SocketAddr) -> Result<()> {
     let workers = cluster.workers.unwrap_or_else(default_workers);
+    let timeout = wrk_cli::local::start_timeout(cluster.device);
     let local = LocalCluster::start(LocalClusterConfig {
         workers,
         slots_per_worker: cluster.slots,
@@ -814,11 +820,10 @@ async fn up(cluster: ClusterArgs, listen: SocketAddr, http_listen: SocketAddr) -
         http: Some(http_listen),
         pool: cluster.pool_size,
         spill_root: cluster.spill_dir,
+        device: cluster.device,
     })
     .await?;
-    local
-        .wait_for_workers(workers, Duration::from_secs(30))
-        .await?;
+    local.wait_for_workers(workers, timeout).await?;
     eprintln!(
         "wrk local cluster up: scheduler {} with {workers} workers, dashboard on {}/ (metrics at /metrics); Ctrl-C stops it",
         local.scheduler_url,

@@ -39,6 +39,7 @@ async fn one_worker_cluster() -> LocalCluster {
         http: None,
         pool: None,
         spill_root: None,
+        device: wrk_host::gpu::detect::DeviceRequest::Cpu,
     })
     .await
     .unwrap();

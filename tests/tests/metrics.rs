@@ -73,6 +73,7 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
         http: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         pool: Some(SizeSpec::Bytes(POOL)),
         spill_root: None,
+        device: wrk_host::gpu::detect::DeviceRequest::Cpu,
     })
     .await
     .unwrap();
