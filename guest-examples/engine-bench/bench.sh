@@ -2,7 +2,8 @@
 # The engine benchmark: wrk against Polars, DuckDB and DataFusion on the same 20 M-row taxi
 # dataset (and 5 M-row drivers table), on the same cores, in one run. Builds wrk and the
 # benchmark guest in release mode, writes data/bench once, installs the peers into
-# target/bench-venv, then runs engines.py. ROWS, DRIVERS, WORKERS and RUNS override.
+# target/bench-venv, then runs engines.py. ROWS, DRIVERS, WORKERS and RUNS override;
+# WRK_BENCH_DEVICE=gpu:0 (with WORKERS=1) runs wrk's side on the GPU.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rows=${ROWS:-20000000}
