@@ -1,5 +1,6 @@
-//! Jobs on a worker whose GPU is the CUDA emulator (`wrk worker --device emulated-gpu`: the
-//! kernels of a real GPU compiled for the host; the closest substitute for a GPU in CI). The
+//! Jobs on a GPU worker: `wrk worker --device gpu:0` where a GPU is found, else the CUDA
+//! emulator (`--device emulated-gpu`: the kernels of a real GPU compiled for the host; the
+//! closest substitute for a GPU in CI; `WRK_REQUIRE_GPU=1` insists on the real one). The
 //! guests' operators run on the device where kernels cover them and on the CPU backend where
 //! they do not; the answers match the reference and the CPU workers', tables cross between host
 //! and device only at the edges, and the tasks' device memory is freed when they end.
@@ -115,16 +116,37 @@ fn assert_same_rows(what: &str, device: &RecordBatch, cpu: &RecordBatch) {
     }
 }
 
-#[test]
-fn jobs_on_an_emulated_gpu_worker_run_on_the_device_and_match_the_cpu() {
+/// `gpu:0` where a GPU can be used, else `emulated-gpu` where a C++ compiler can build the
+/// emulator's kernels, else `None` (with the reason printed).
+fn gpu_device() -> Option<&'static str> {
+    let found = wrk_host::gpu::detect::probe(0);
+    if found.is_ok() {
+        return Some("gpu:0");
+    }
+    if std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!(
+            "WRK_REQUIRE_GPU=1 but no GPU can be used: {:?}",
+            found.err()
+        );
+    }
     let compiler = Command::new("c++")
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
-    if !compiler {
-        println!("SKIPPED jobs on an emulated GPU worker: no C++ compiler (`c++`)");
-        return;
+    if compiler {
+        println!("no CUDA device found: the jobs run on the CUDA emulator (host CPU)");
+        Some("emulated-gpu")
+    } else {
+        println!("SKIPPED jobs on a GPU worker: no CUDA device and no C++ compiler (`c++`)");
+        None
     }
+}
+
+#[test]
+fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
+    let Some(device) = gpu_device() else {
+        return;
+    };
     for example in ["taxi-haversine", "fare-stats", "zone-join", "top-fares"] {
         let _ = guest(example);
     }
@@ -140,12 +162,7 @@ fn jobs_on_an_emulated_gpu_worker_run_on_the_device_and_match_the_cpu() {
     processes.0.push(start_worker(
         &url,
         "gpu-worker",
-        &[
-            "--device",
-            "emulated-gpu",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ],
+        &["--device", device, "--metrics-listen", "127.0.0.1:0"],
     ));
     wait_for_workers(&url, 1, None);
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -156,7 +173,7 @@ fn jobs_on_an_emulated_gpu_worker_run_on_the_device_and_match_the_cpu() {
         .block_on(wrk_cli::client::cluster_status(&url, None))
         .unwrap();
     let worker = status.workers[0].clone();
-    assert_eq!(worker.device, "emulated-gpu");
+    assert_eq!(worker.device, device);
     let scrape = || http_get(&worker.http_address, "/metrics").1;
     // The worker's start-up self-test moved tables too: a job's transfers are the change.
     let start = scrape();
