@@ -142,7 +142,7 @@ impl WorkerDevice {
         gpu_metrics: GpuMetrics,
     ) -> WorkerDevice {
         let pool = runtime.pool.stats();
-        gpu_metrics.observe_pool(pool.capacity, pool.used, pool.peak);
+        gpu_metrics.observe_pool(&pool);
         tracing::info!(
             gpu = info.ordinal,
             uuid = %info.uuid,
@@ -195,8 +195,7 @@ impl WorkerDevice {
             return None;
         };
         let pool = gpu.runtime.pool.stats();
-        gpu.metrics
-            .observe_pool(pool.capacity, pool.used, pool.peak);
+        gpu.metrics.observe_pool(&pool);
         let mut sample = match &gpu.telemetry {
             Some(telemetry) => {
                 let telemetry = telemetry.clone();

@@ -295,6 +295,28 @@ impl WorkerMetrics {
                 "device_pool_peak_bytes",
                 "Highest use of the device memory pool since the worker started",
             ),
+            device_pool_evictions: register(
+                target,
+                IntCounterVec::new(
+                    opts(
+                        "device_pool_evictions_total",
+                        "Times the device pool was full and spilled device tables to host memory",
+                    ),
+                    &[],
+                )
+                .unwrap_or_else(|e| panic!("{e}")),
+            ),
+            device_pool_evicted_bytes: register(
+                target,
+                IntCounterVec::new(
+                    opts(
+                        "device_pool_evicted_bytes_total",
+                        "Device memory freed by spilling device tables to host memory",
+                    ),
+                    &[],
+                )
+                .unwrap_or_else(|e| panic!("{e}")),
+            ),
             operators: DeviceOperatorMetrics(register(
                 target,
                 IntCounterVec::new(
@@ -420,6 +442,8 @@ pub struct GpuMetrics {
     device_pool_size_bytes: IntGaugeVec,
     device_pool_used_bytes: IntGaugeVec,
     device_pool_peak_bytes: IntGaugeVec,
+    device_pool_evictions: IntCounterVec,
+    device_pool_evicted_bytes: IntCounterVec,
     pub operators: DeviceOperatorMetrics,
     pub transfers: DeviceTransferMetrics,
 }
@@ -466,16 +490,22 @@ impl GpuMetrics {
         set(&self.power_watts, sample.power_watts);
     }
 
-    /// Updates the device pool gauges.
-    pub fn observe_pool(&self, size: u64, used: u64, peak: u64) {
+    /// Updates the device pool series.
+    pub fn observe_pool(&self, stats: &crate::gpu::pool::PoolStats) {
         let set = |gauge: &IntGaugeVec, value: u64| {
             gauge
                 .with_label_values::<&str>(&[])
                 .set(i64::try_from(value).unwrap_or(i64::MAX))
         };
-        set(&self.device_pool_size_bytes, size);
-        set(&self.device_pool_used_bytes, used);
-        set(&self.device_pool_peak_bytes, peak);
+        set(&self.device_pool_size_bytes, stats.capacity);
+        set(&self.device_pool_used_bytes, stats.used);
+        set(&self.device_pool_peak_bytes, stats.peak);
+        let advance = |counter: &IntCounterVec, total: u64| {
+            let counter = counter.with_label_values::<&str>(&[]);
+            counter.inc_by(total.saturating_sub(counter.get()));
+        };
+        advance(&self.device_pool_evictions, stats.evictions);
+        advance(&self.device_pool_evicted_bytes, stats.evicted_bytes);
     }
 }
 
@@ -546,7 +576,14 @@ mod tests {
             pcie_rx_bytes_per_second: Some(2e9),
             ..Default::default()
         });
-        gpu.observe_pool(64 << 30, 1 << 30, 2 << 30);
+        gpu.observe_pool(&crate::gpu::pool::PoolStats {
+            capacity: 64 << 30,
+            used: 1 << 30,
+            peak: 2 << 30,
+            evictions: 3,
+            evicted_bytes: 5 << 20,
+            ..Default::default()
+        });
         gpu.transfers.record("to_device", 4096);
         gpu.transfers.record("to_device", 4096);
         let text = metrics.render();
@@ -557,6 +594,8 @@ mod tests {
             r#"wrk_gpu_power_watts{gpu="1"} 300.5"#,
             r#"wrk_gpu_pcie_rx_bytes_per_second{gpu="1"} 2000000000"#,
             "wrk_worker_device_pool_used_bytes 1073741824",
+            "wrk_worker_device_pool_evictions_total 3",
+            "wrk_worker_device_pool_evicted_bytes_total 5242880",
             r#"wrk_worker_device_transfer_bytes_total{direction="to_device"} 8192"#,
             r#"wrk_worker_device_transfers_total{direction="to_device"} 2"#,
         ] {

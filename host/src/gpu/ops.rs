@@ -12,11 +12,12 @@
 //! - [`join`] on one fixed-width key pair: inner, left, semi, anti (build on the right table:
 //!   its valid rows sorted by key, runs hashed; probe with the left);
 //! - [`concat`] of tables with the same columns;
+//! - [`aggregate`] over the whole table (a group-by on a key every row shares);
 //! - [`select`], [`with_columns`] (columns shared with the input, not copied), [`slice`] and
 //!   [`top_k`] (a sort, then a slice).
 //!
 //! What a kernel does not cover yet (string keys or several group/join keys, count-distinct,
-//! string expressions) is refused with [`GpuOpError::Unsupported`]: the caller keeps that
+//! string expressions, an empty table's aggregate) is refused with [`GpuOpError::Unsupported`]: the caller keeps that
 //! operator on the CPU backend.
 
 use std::sync::Arc;
@@ -144,6 +145,13 @@ pub fn group_by_covers(schema: &Schema, keys: &[String], aggregates: &[Aggregate
         && aggregates
             .iter()
             .all(|a| a.function != AggregateFn::CountDistinct)
+}
+
+/// Whether the kernels cover aggregating a table of `schema` whole: no count-distinct.
+pub fn aggregate_covers(aggregates: &[Aggregate]) -> bool {
+    aggregates
+        .iter()
+        .all(|a| a.function != AggregateFn::CountDistinct)
 }
 
 /// Whether the kernels cover joining tables of `left` and `right` on these keys: one key on
@@ -499,6 +507,59 @@ pub fn sort(
         }
     }
     Ok(gather_table(runtime, table, &perm, n)?)
+}
+
+/// The aggregates over the whole table, in one row: a group-by on a key every row shares,
+/// without the key. An empty table's row (nulls and zero counts) is left to the CPU backend.
+pub fn aggregate(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    aggregates: &[Aggregate],
+) -> Result<DeviceTable, GpuOpError> {
+    const OP: &str = "aggregate";
+    let rows = table.rows;
+    if rows == 0 {
+        return Err(GpuOpError::Unsupported {
+            operator: OP,
+            detail: "an empty table".into(),
+        });
+    }
+    let mut key = String::from("__wrk_whole_table");
+    while table.schema.index_of(&key).is_ok() {
+        key.push('_');
+    }
+    let mut fields: Vec<Field> = table
+        .schema
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone())
+        .collect();
+    fields.push(Field::new(&key, DataType::UInt8, false));
+    let mut columns = table.columns.clone();
+    columns.push(Arc::new(DeviceColumn {
+        data_type: DataType::UInt8,
+        len: rows,
+        values: filled_u8(runtime, rows, 0)?,
+        offsets: None,
+        validity: None,
+    }));
+    let keyed = DeviceTable {
+        schema: Arc::new(Schema::new(fields)),
+        columns,
+        rows,
+    };
+    let grouped = group_by(runtime, &keyed, &[key], aggregates)?;
+    // The key is the first column.
+    Ok(DeviceTable {
+        schema: Arc::new(Schema::new(
+            grouped.schema.fields()[1..]
+                .iter()
+                .map(|f| f.as_ref().clone())
+                .collect::<Vec<_>>(),
+        )),
+        columns: grouped.columns[1..].to_vec(),
+        rows: grouped.rows,
+    })
 }
 
 /// The equality words of a fixed-width key column.

@@ -273,6 +273,15 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         .map_err(|e| failed("group-by")(e.to_string()))?;
     // Float sums add in another order on the device.
     compare("group-by", &d, &h, 1e-9)?;
+    // The same over the whole table (an empty table's aggregate is the CPU's).
+    if table.num_rows() > 0 {
+        let d = ops::aggregate(runtime, &device, &aggregates)
+            .and_then(|t| Ok(download(runtime, &t)?))
+            .map_err(|e| failed("aggregate")(e.to_string()))?;
+        let h = cpu::ops::aggregate(table, &aggregates)
+            .map_err(|e| failed("aggregate")(e.to_string()))?;
+        compare("aggregate", &d, &h, 1e-9)?;
+    }
 
     // Sort: float descending with nulls first, then the id (unique, so the order is total).
     let sort_keys = [

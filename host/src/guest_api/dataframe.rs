@@ -612,7 +612,9 @@ impl HostTable for TaskState {
         aggregates: Vec<Aggregate>,
     ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let aggregates = host_aggregates(aggregates);
-        self.table_op("aggregate", &[&self_], None, |t| {
+        let device: DeviceOp = &|gpu, t| gpu_ops::aggregate(gpu, t[0], &aggregates);
+        let covered = self.device_covers(&[&self_], |_| gpu_ops::aggregate_covers(&aggregates))?;
+        self.table_op("aggregate", &[&self_], covered.then_some(device), |t| {
             ops::aggregate(t[0].batch(), &aggregates).map_err(op_error)
         })
     }
