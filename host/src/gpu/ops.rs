@@ -169,6 +169,11 @@ pub fn join_covers(left: &Schema, right: &Schema, left_on: &[String], right_on: 
     }
 }
 
+/// Fields to build a new schema from.
+fn owned_fields(fields: &[arrow::datatypes::FieldRef]) -> Vec<Field> {
+    fields.iter().map(|f| f.as_ref().clone()).collect()
+}
+
 /// A copy of `column` (device to device).
 fn copy_column(runtime: &GpuRuntime, column: &DeviceColumn) -> Result<DeviceColumn, GpuOpError> {
     let indices = iota(runtime, 0, column.len)?;
@@ -267,12 +272,7 @@ pub fn with_columns(
     table: &DeviceTable,
     columns: &[(String, &Expr)],
 ) -> Result<DeviceTable, GpuOpError> {
-    let mut fields: Vec<Field> = table
-        .schema
-        .fields()
-        .iter()
-        .map(|f| f.as_ref().clone())
-        .collect();
+    let mut fields = owned_fields(table.schema.fields());
     let mut out = table.columns.clone();
     for (name, expr) in columns {
         let column = match expr {
@@ -528,12 +528,7 @@ pub fn aggregate(
     while table.schema.index_of(&key).is_ok() {
         key.push('_');
     }
-    let mut fields: Vec<Field> = table
-        .schema
-        .fields()
-        .iter()
-        .map(|f| f.as_ref().clone())
-        .collect();
+    let mut fields = owned_fields(table.schema.fields());
     fields.push(Field::new(&key, DataType::UInt8, false));
     let mut columns = table.columns.clone();
     columns.push(Arc::new(DeviceColumn {
@@ -551,12 +546,7 @@ pub fn aggregate(
     let grouped = group_by(runtime, &keyed, &[key], aggregates)?;
     // The key is the first column.
     Ok(DeviceTable {
-        schema: Arc::new(Schema::new(
-            grouped.schema.fields()[1..]
-                .iter()
-                .map(|f| f.as_ref().clone())
-                .collect::<Vec<_>>(),
-        )),
+        schema: Arc::new(Schema::new(owned_fields(&grouped.schema.fields()[1..]))),
         columns: grouped.columns[1..].to_vec(),
         rows: grouped.rows,
     })
@@ -1067,12 +1057,7 @@ pub fn join(
         ],
     )?;
     let left_part = gather_table(runtime, left, &probe_rows, m)?;
-    let mut fields: Vec<Field> = left_part
-        .schema
-        .fields()
-        .iter()
-        .map(|f| f.as_ref().clone())
-        .collect();
+    let mut fields = owned_fields(left_part.schema.fields());
     let mut columns = left_part.columns;
     let mut taken: Vec<String> = fields.iter().map(|f| f.name().clone()).collect();
     let unmatched = how == JoinType::Left;
