@@ -480,16 +480,12 @@ impl TaskEngine {
             },
         })?;
         let state = store.data_mut();
+        // Outputs go to the store in host memory.
         let outputs = handles
             .into_iter()
-            .map(|handle| state.table.delete(handle))
-            .collect::<Result<Vec<TaskTable>, _>>()
-            .map_err(|e| host_err(e.into()))?;
-        // Outputs go to the store in host memory.
-        let outputs = outputs
-            .iter()
             .enumerate()
-            .map(|(i, table)| {
+            .map(|(i, handle)| {
+                let table = state.table.delete(handle).map_err(|e| host_err(e.into()))?;
                 table.host().map_err(|e| TaskError::Host {
                     module: module.clone(),
                     detail: format!("copying output {i} from the device failed: {e}"),

@@ -15,23 +15,15 @@ use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{DataType, Float64Type};
 use common::*;
 
-/// The value of the series `series` (its name and labels as written) in a Prometheus text
-/// exposition, or 0 when it is absent.
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 fn operators(text: &str, operator: &str, ran_on: &str) -> f64 {
-    metric(
+    metric_value(
         text,
         &format!(r#"wrk_worker_device_operators_total{{operator="{operator}",ran_on="{ran_on}"}}"#),
     )
 }
 
 fn transferred(text: &str, direction: &str) -> f64 {
-    metric(
+    metric_value(
         text,
         &format!(r#"wrk_worker_device_transfer_bytes_total{{direction="{direction}"}}"#),
     )
@@ -177,7 +169,7 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
     let scrape = || http_get(&worker.http_address, "/metrics").1;
     // The worker's start-up self-test moved tables too: a job's transfers are the change.
     let start = scrape();
-    let used_at_start = metric(&start, "wrk_worker_device_pool_used_bytes");
+    let used_at_start = metric_value(&start, "wrk_worker_device_pool_used_bytes");
 
     // The taxi job: every operator has a kernel. Two `distance` tasks (one per file) make a
     // fused haversine kernel and a group-by each; one `summary` task a concat, a group-by, the
@@ -234,7 +226,7 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
     // The tasks' device tables were freed when they ended (the gauge follows the heartbeats).
     let waited = Instant::now();
     loop {
-        let used = metric(&scrape(), "wrk_worker_device_pool_used_bytes");
+        let used = metric_value(&scrape(), "wrk_worker_device_pool_used_bytes");
         if used == used_at_start {
             break;
         }

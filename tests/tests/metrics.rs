@@ -52,16 +52,6 @@ fn promtool_check(what: &str, text: &str) {
     );
 }
 
-/// The value of the series whose line starts with `series` (name and labels), or 0.
-fn value(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
     let data = taxi_dataset(40_000, 2, 10_000);
@@ -85,8 +75,11 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
 
     let before = scrape(&scheduler_http);
     promtool_check("scheduler", &before);
-    assert_eq!(value(&before, "wrk_scheduler_workers"), 2.0);
-    assert_eq!(value(&before, "wrk_scheduler_jobs_submitted_total"), 0.0);
+    assert_eq!(metric_value(&before, "wrk_scheduler_workers"), 2.0);
+    assert_eq!(
+        metric_value(&before, "wrk_scheduler_jobs_submitted_total"),
+        0.0
+    );
 
     // The workers' pools, before any work.
     let status = wrk_cli::client::cluster_status(&cluster.scheduler_url, None)
@@ -95,8 +88,15 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
     for worker in &status.workers {
         let text = scrape(&worker.http_address);
         promtool_check(&format!("worker {}", worker.worker_id), &text);
-        assert_eq!(value(&text, "wrk_worker_pool_size_bytes"), POOL as f64);
-        assert_eq!(value(&text, "wrk_worker_pool_peak_bytes"), 0.0, "{text}");
+        assert_eq!(
+            metric_value(&text, "wrk_worker_pool_size_bytes"),
+            POOL as f64
+        );
+        assert_eq!(
+            metric_value(&text, "wrk_worker_pool_peak_bytes"),
+            0.0,
+            "{text}"
+        );
         for series in [
             "wrk_worker_pool_used_bytes",
             "wrk_worker_pool_leased_bytes",
@@ -137,9 +137,12 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
 
     let after = scrape(&scheduler_http);
     promtool_check("scheduler", &after);
-    assert_eq!(value(&after, "wrk_scheduler_jobs_submitted_total"), 1.0);
     assert_eq!(
-        value(
+        metric_value(&after, "wrk_scheduler_jobs_submitted_total"),
+        1.0
+    );
+    assert_eq!(
+        metric_value(
             &after,
             r#"wrk_scheduler_tasks_finished_total{outcome="succeeded",stage="distance"}"#
         ),
@@ -147,21 +150,21 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
         "{after}"
     );
     assert_eq!(
-        value(
+        metric_value(
             &after,
             r#"wrk_scheduler_tasks_finished_total{outcome="succeeded",stage="summary"}"#
         ),
         1.0
     );
     assert_eq!(
-        value(
+        metric_value(
             &after,
             r#"wrk_scheduler_task_duration_seconds_count{stage="distance"}"#
         ),
         2.0
     );
     assert!(
-        value(
+        metric_value(
             &after,
             r#"wrk_scheduler_task_duration_seconds_sum{stage="distance"}"#
         ) > 0.0
@@ -180,15 +183,18 @@ async fn metrics_are_valid_prometheus_text_and_move_as_a_job_runs() {
         );
         let text = scrape(&worker.http_address);
         promtool_check(&format!("worker {}", worker.worker_id), &text);
-        worker_tasks += value(
+        worker_tasks += metric_value(
             &text,
             r#"wrk_worker_tasks_finished_total{outcome="succeeded"}"#,
         );
-        assert_eq!(value(&text, "wrk_worker_slots"), 2.0);
+        assert_eq!(metric_value(&text, "wrk_worker_slots"), 2.0);
         // The pool counted the tables the tasks held.
-        let peak = value(&text, "wrk_worker_pool_peak_bytes");
+        let peak = metric_value(&text, "wrk_worker_pool_peak_bytes");
         assert!(peak > 0.0 && peak <= POOL as f64 * 1.2, "{text}");
-        assert_eq!(value(&text, "wrk_worker_pool_size_bytes"), POOL as f64);
+        assert_eq!(
+            metric_value(&text, "wrk_worker_pool_size_bytes"),
+            POOL as f64
+        );
     }
     assert_eq!(worker_tasks, 3.0, "the workers ran the job's three tasks");
     cluster.shutdown().await;

@@ -162,12 +162,18 @@ fn describe(schema: &Schema) -> String {
 
 /// Rows `offset..offset + length`, clamped to the table.
 pub fn slice(batch: &RecordBatch, offset: u64, length: u64) -> RecordBatch {
-    let rows = batch.num_rows();
+    let (offset, length) = slice_range(batch.num_rows(), offset, length);
+    batch.slice(offset, length)
+}
+
+/// The `(offset, length)` of a slice of `rows` rows asked for from `offset` over `length`
+/// rows, clipped to the rows there are (both backends slice by it).
+pub fn slice_range(rows: usize, offset: u64, length: u64) -> (usize, usize) {
     let offset = usize::try_from(offset).unwrap_or(usize::MAX).min(rows);
     let length = usize::try_from(length)
         .unwrap_or(usize::MAX)
         .min(rows - offset);
-    batch.slice(offset, length)
+    (offset, length)
 }
 
 /// One row per distinct combination of `columns` (every column when `None`): the first row of

@@ -220,17 +220,7 @@ impl GpuRuntime {
         let stream = context.default_stream();
         let kernels = KernelCache::new(context.clone())?;
         let backend = Arc::new(Backend::Cuda { context, stream });
-        let pool = DevicePool::new(backend.clone(), budget)?;
-        Ok(GpuRuntime {
-            device: identity,
-            backend,
-            pool,
-            kernels,
-            resident: resident::Residents::default(),
-            transfers: counters.transfers,
-            operators: counters.operators,
-        }
-        .spilling())
+        Self::assemble(identity, backend, budget, kernels, counters)
     }
 
     /// Starts the runtime on the emulated device ([`emulator`]): the kernels compiled for the
@@ -240,34 +230,45 @@ impl GpuRuntime {
         counters: DeviceCounters,
     ) -> Result<Arc<Self>, StartError> {
         let capacity = pool_bytes.unwrap_or(EMULATED_POOL_BYTES);
-        let kernels = KernelCache::emulated()?;
-        let backend = Arc::new(Backend::Emulated);
-        let pool = DevicePool::new(backend.clone(), capacity)?;
-        Ok(GpuRuntime {
-            device: GpuIdentity {
-                ordinal: 0,
-                name: emulator::DEVICE_NAME.into(),
-                uuid: emulator::DEVICE_UUID.into(),
-                total_memory: capacity,
-                compute_capability: kernels::MIN_ARCH,
-            },
+        let identity = GpuIdentity {
+            ordinal: 0,
+            name: emulator::DEVICE_NAME.into(),
+            uuid: emulator::DEVICE_UUID.into(),
+            total_memory: capacity,
+            compute_capability: kernels::MIN_ARCH,
+        };
+        Self::assemble(
+            identity,
+            Arc::new(Backend::Emulated),
+            capacity,
+            KernelCache::emulated()?,
+            counters,
+        )
+    }
+
+    /// The runtime over `backend`, with a pool of `pool_bytes` that spills resident device
+    /// tables to host memory when full.
+    fn assemble(
+        device: GpuIdentity,
+        backend: Arc<Backend>,
+        pool_bytes: u64,
+        kernels: KernelCache,
+        counters: DeviceCounters,
+    ) -> Result<Arc<Self>, StartError> {
+        let pool = DevicePool::new(backend.clone(), pool_bytes)?;
+        let runtime = Arc::new(GpuRuntime {
+            device,
             backend,
             pool,
             kernels,
             resident: resident::Residents::default(),
             transfers: counters.transfers,
             operators: counters.operators,
-        }
-        .spilling())
-    }
-
-    /// The runtime, its pool spilling resident device tables to host memory when full.
-    fn spilling(self) -> Arc<Self> {
-        let runtime = Arc::new(self);
+        });
         runtime
             .pool
             .set_eviction_hook(Arc::new(resident::Spiller::new(&runtime)));
-        runtime
+        Ok(runtime)
     }
 }
 

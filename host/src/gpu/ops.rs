@@ -84,18 +84,30 @@ impl From<super::pool::PoolError> for GpuOpError {
     }
 }
 
+/// The position of column `name` in `table`, or the error naming the columns it has.
+fn column_index(
+    table: &DeviceTable,
+    operator: &'static str,
+    name: &str,
+) -> Result<usize, GpuOpError> {
+    table
+        .schema
+        .index_of(name)
+        .map_err(|_| GpuOpError::Invalid {
+            operator,
+            detail: format!(
+                "no column `{name}` (the table has: {})",
+                crate::expr::column_list(&table.schema)
+            ),
+        })
+}
+
 fn column_of<'a>(
     table: &'a DeviceTable,
     operator: &'static str,
     name: &str,
 ) -> Result<&'a DeviceColumn, GpuOpError> {
-    table.column(name).ok_or_else(|| GpuOpError::Invalid {
-        operator,
-        detail: format!(
-            "no column `{name}` (the table has: {})",
-            crate::expr::column_list(&table.schema)
-        ),
-    })
+    Ok(&table.columns[column_index(table, operator, name)?])
 }
 
 /// The suffix of the fixed kernels for a column type's storage (`i32` for dates, `i64` for
@@ -244,16 +256,7 @@ pub fn select(table: &DeviceTable, names: &[String]) -> Result<DeviceTable, GpuO
     let mut fields = Vec::with_capacity(names.len());
     let mut columns = Vec::with_capacity(names.len());
     for name in names {
-        let index = table
-            .schema
-            .index_of(name)
-            .map_err(|_| GpuOpError::Invalid {
-                operator: "select",
-                detail: format!(
-                    "no column `{name}` (the table has: {})",
-                    crate::expr::column_list(&table.schema)
-                ),
-            })?;
+        let index = column_index(table, "select", name)?;
         fields.push(table.schema.field(index).clone());
         columns.push(table.columns[index].clone());
     }
@@ -277,15 +280,9 @@ pub fn with_columns(
     for (name, expr) in columns {
         let column = match expr {
             // A column under another name: the same device buffers.
-            Expr::Column(source) => table
-                .schema
-                .index_of(source)
-                .ok()
-                .map(|i| table.columns[i].clone())
-                .ok_or_else(|| GpuOpError::Invalid {
-                    operator: "with-columns",
-                    detail: format!("no column `{source}`"),
-                })?,
+            Expr::Column(source) => {
+                table.columns[column_index(table, "with-columns", source)?].clone()
+            }
             _ => Arc::new(evaluate(runtime, table, expr)?),
         };
         let field = Field::new(name, column.data_type.clone(), column.validity.is_some());
@@ -307,7 +304,7 @@ pub fn with_columns(
     })
 }
 
-/// Rows `offset..offset + length` of `table`, clipped to its rows (as `cpu::ops::slice`).
+/// Rows `offset..offset + length` of `table`, clipped to its rows (`cpu::ops::slice_range`).
 pub fn slice(
     runtime: &GpuRuntime,
     table: &DeviceTable,
@@ -315,10 +312,7 @@ pub fn slice(
     length: u64,
 ) -> Result<DeviceTable, GpuOpError> {
     let rows = table.rows;
-    let offset = usize::try_from(offset).unwrap_or(usize::MAX).min(rows);
-    let length = usize::try_from(length)
-        .unwrap_or(usize::MAX)
-        .min(rows - offset);
+    let (offset, length) = crate::cpu::ops::slice_range(rows, offset, length);
     check_rows(rows)?;
     // `check_rows` bounds `rows`, hence `offset`, to `u32`.
     let start = u32::try_from(offset).unwrap_or(u32::MAX);

@@ -25,13 +25,31 @@ use super::table::{DeviceTable, TableError, download, download_array, upload};
 use crate::memory::pool::Account;
 use crate::table::Table;
 
-/// The copies a resident table has now.
-#[derive(Default)]
-struct Copies {
-    /// Shared with the operators reading it: the table is spilled only when nobody else holds
-    /// this.
-    device: Option<Arc<DeviceTable>>,
-    host: Option<Table>,
+/// The copies a resident table has now. The device copy is shared with the operators reading
+/// it: the table is spilled only when nobody else holds it.
+enum Copies {
+    /// Made on the device, not downloaded yet.
+    Device(Arc<DeviceTable>),
+    /// On the device, with a host copy (the table it was uploaded from, or a download).
+    Both(Arc<DeviceTable>, Table),
+    /// Spilled.
+    Host(Table),
+}
+
+impl Copies {
+    fn device(&self) -> Option<&Arc<DeviceTable>> {
+        match self {
+            Copies::Device(device) | Copies::Both(device, _) => Some(device),
+            Copies::Host(_) => None,
+        }
+    }
+
+    fn host(&self) -> Option<&Table> {
+        match self {
+            Copies::Host(host) | Copies::Both(_, host) => Some(host),
+            Copies::Device(_) => None,
+        }
+    }
 }
 
 /// A table of a running task in device memory, which the pool may spill to host memory.
@@ -57,9 +75,9 @@ impl ResidentTable {
             runtime: runtime.clone(),
             schema: table.schema.clone(),
             rows: table.rows,
-            copies: Mutex::new(Copies {
-                device: Some(Arc::new(table)),
-                host,
+            copies: Mutex::new(match host {
+                Some(host) => Copies::Both(Arc::new(table), host),
+                None => Copies::Device(Arc::new(table)),
             }),
             last_used: AtomicU64::new(runtime.resident.tick()),
             owner,
@@ -94,7 +112,7 @@ impl ResidentTable {
 
     /// Whether the table is in device memory now (not spilled).
     pub fn on_device(&self) -> bool {
-        self.lock().device.is_some()
+        self.lock().device().is_some()
     }
 
     /// The table in device memory for an operator to read, uploaded again (counted) when it
@@ -102,57 +120,45 @@ impl ResidentTable {
     pub fn device(&self) -> Result<Arc<DeviceTable>, TableError> {
         self.last_used
             .store(self.runtime.resident.tick(), Ordering::Relaxed);
-        let host = {
-            let copies = self.lock();
-            if let Some(device) = &copies.device {
-                return Ok(device.clone());
-            }
-            copies.host.clone()
-        };
-        let Some(host) = host else {
-            return Err(TableError::Copy(
-                "a spilled device table has no host copy".into(),
-            ));
+        let host = match &*self.lock() {
+            Copies::Device(device) | Copies::Both(device, _) => return Ok(device.clone()),
+            Copies::Host(host) => host.clone(),
         };
         // Uploaded without the lock: the allocation may spill other tables.
         let uploaded = Arc::new(upload(&self.runtime, host.batch())?);
         let mut copies = self.lock();
-        Ok(copies.device.get_or_insert(uploaded).clone())
+        if let Some(device) = copies.device() {
+            // Another thread uploaded it meanwhile.
+            return Ok(device.clone());
+        }
+        *copies = Copies::Both(uploaded.clone(), host);
+        Ok(uploaded)
     }
 
     /// The table in host memory, downloaded once (counted) when it has no host copy yet.
     pub fn host(&self) -> Result<Table, TableError> {
-        let device = {
-            let copies = self.lock();
-            if let Some(host) = &copies.host {
-                return Ok(host.clone());
-            }
-            copies.device.clone()
-        };
-        let Some(device) = device else {
-            return Err(TableError::Copy(
-                "a device table has neither a device nor a host copy".into(),
-            ));
+        let device = match &*self.lock() {
+            Copies::Host(host) | Copies::Both(_, host) => return Ok(host.clone()),
+            Copies::Device(device) => device.clone(),
         };
         let host = self.claimed(download(&self.runtime, &device)?);
         let mut copies = self.lock();
-        Ok(copies.host.get_or_insert(host).clone())
+        if let Some(host) = copies.host() {
+            // Another thread downloaded it meanwhile.
+            return Ok(host.clone());
+        }
+        *copies = Copies::Both(device, host.clone());
+        Ok(host)
     }
 
     /// One column in host memory: from the host copy, or downloaded alone (counted) when the
     /// table has none. `None` when the table has no such column.
     pub fn column_on_host(&self, name: &str) -> Result<Option<ArrayRef>, TableError> {
-        let device = {
-            let copies = self.lock();
-            if let Some(host) = &copies.host {
+        let device = match &*self.lock() {
+            Copies::Host(host) | Copies::Both(_, host) => {
                 return Ok(host.batch().column_by_name(name).cloned());
             }
-            copies.device.clone()
-        };
-        let Some(device) = device else {
-            return Err(TableError::Copy(
-                "a device table has neither a device nor a host copy".into(),
-            ));
+            Copies::Device(device) => device.clone(),
         };
         let Some(column) = device.column(name) else {
             return Ok(None);
@@ -177,22 +183,20 @@ impl ResidentTable {
         let Ok(mut copies) = self.copies.try_lock() else {
             return Ok(false);
         };
-        let Some(device) = &copies.device else {
-            return Ok(false);
+        let host = match &*copies {
+            Copies::Host(_) => return Ok(false),
+            Copies::Device(device) | Copies::Both(device, _) if Arc::strong_count(device) > 1 => {
+                return Ok(false);
+            }
+            Copies::Both(_, host) => host.clone(),
+            Copies::Device(device) => self.claimed(download(&self.runtime, device)?),
         };
-        if Arc::strong_count(device) > 1 {
-            return Ok(false);
-        }
-        if copies.host.is_none() {
-            let host = self.claimed(download(&self.runtime, device)?);
-            copies.host = Some(host);
-        }
-        copies.device = None;
+        *copies = Copies::Host(host);
         Ok(true)
     }
 
     fn spill_rank(&self) -> (bool, u64) {
-        let has_host = self.lock().host.is_some();
+        let has_host = self.lock().host().is_some();
         (!has_host, self.last_used.load(Ordering::Relaxed))
     }
 }

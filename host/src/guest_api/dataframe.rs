@@ -471,26 +471,20 @@ impl HostTable for TaskState {
         self_: Resource<TaskTable>,
         name: String,
     ) -> wasmtime::Result<Result<Resource<Column>, Error>> {
-        let schema = self.table.get(&self_)?.schema();
-        if schema.index_of(&name).is_err() {
-            return Ok(Err(error(
-                ErrorCode::UnknownColumn,
-                format!(
-                    "unknown column `{name}` (the table has: {})",
-                    crate::expr::column_list(&schema)
-                ),
-            )));
-        }
         // Column handles are host arrays: a table only on the device gives just this column.
-        let array = match self.table.get(&self_)? {
+        let table = self.table.get(&self_)?;
+        let array = match table {
             TaskTable::Device(resident) => resident.column_on_host(&name),
             TaskTable::Host(table) => Ok(table.batch().column_by_name(&name).cloned()),
         };
         match array {
             Ok(Some(array)) => Ok(Ok(self.table.push(Column::new(name, array))?)),
             Ok(None) => Ok(Err(error(
-                ErrorCode::Internal,
-                format!("column `{name}` vanished from its table"),
+                ErrorCode::UnknownColumn,
+                format!(
+                    "unknown column `{name}` (the table has: {})",
+                    crate::expr::column_list(&table.schema())
+                ),
             ))),
             Err(e) => Ok(Err(error(
                 ErrorCode::Internal,

@@ -1,7 +1,7 @@
 //! Where a guest's table operator runs. On a worker without a GPU: the CPU backend. On a GPU
 //! worker: on the device when its inputs can live there and a kernel covers the operator (the
 //! result stays on the device), else on the CPU backend with the inputs in host memory. Every
-//! operator is counted by where it ran (`wrk_device_operators_total`).
+//! operator is counted by where it ran (`wrk_worker_device_operators_total`).
 
 use std::sync::Arc;
 

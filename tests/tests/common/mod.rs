@@ -476,3 +476,14 @@ pub fn slow_job(dir: &Path, name: &str, delay_ms: u64, stages: &[(&str, u32, &[&
     std::fs::write(&path, text).expect("write the job file");
     path
 }
+
+/// The value of the series whose line starts with `series` (its name and labels as written) in
+/// a Prometheus text exposition, or 0 when it is absent.
+pub fn metric_value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
