@@ -13,7 +13,7 @@
 # 3. Runs the device operator benchmark (release build): the haversine fused kernel with its
 #    effective bandwidth, group-by, join, sort and hash-partition, GPU next to the CPU backend.
 # 4. Runs example jobs on a `wrk worker --device gpu:0` process against the reference and a CPU
-#    cluster (tests/tests/gpu_worker.rs; it uses the GPU where one is found).
+#    cluster (tests/tests/integration/gpu_worker.rs; it uses the GPU where one is found).
 # 5. Starts a scheduler and a `wrk worker --device gpu:0`, and prints `wrk status` (device name,
 #    MIG profile, memory, SM utilisation, temperature, power) and the worker's wrk_gpu_* series.
 # The engine benchmark on the GPU (it needs its Python peers installed, from PyPI):
@@ -35,10 +35,10 @@ export WRK_REQUIRE_GPU=1 WRK_REQUIRE_NVRTC=1
 
 echo "== GPU tests (WRK_REQUIRE_GPU=1)"
 cargo test -p wrk-host -- --nocapture
-cargo test -p wrk-tests --test device -- --nocapture
+cargo test -p wrk-tests --test integration device:: -- --nocapture
 
 echo "== example jobs on a GPU worker"
-cargo test -p wrk-tests --test gpu_worker -- --nocapture
+cargo test -p wrk-tests --test integration gpu_worker:: -- --nocapture
 
 echo "== device operator benchmark (release)"
 cargo test --release -p wrk-host gpu::bench -- --ignored --nocapture

@@ -13,7 +13,7 @@ if ! command -v promtool >/dev/null; then
     apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 # Headless Chromium (Debian's chromium package) renders the dashboard and a report in
-# tests/tests/dashboard.rs; without it that test skips its browser checks and says so.
+# tests/tests/integration/dashboard.rs; without it that test skips its browser checks and says so.
 if ! command -v chromium >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; then
@@ -63,6 +63,14 @@ if [ ! -x "$S3_VENV/bin/moto_server" ]; then
         "moto[server]==5.2.5" >/dev/null 2>&1; then
         echo "tests/run.sh: could not install moto from PyPI; the object store test will print a skip line" >&2
     fi
+fi
+# Earlier builds' artifacts pile up in target/debug (each change of dependencies or features leaves
+# a new set beside the old) until the disk fills. With less than 10 GiB free, start afresh (a
+# fresh build of everything here takes about 4 GiB; see the profiles in Cargo.toml).
+free_gib=$(df -P -B1G . | awk 'NR == 2 { print $4 }')
+if [ -d target/debug ] && [ "$free_gib" -lt 10 ]; then
+    echo "tests/run.sh: only ${free_gib} GiB free on $(df -P . | awk 'NR == 2 { print $6 }'); removing target/debug to build afresh" >&2
+    rm -rf target/debug
 fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --features wrk-tests/ucx -- -D warnings

@@ -12,7 +12,7 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 ///
 /// Its default (10 ms, times 10 for large blocks) let a worker's resident memory run ahead of
 /// its pool, which frees partitions as it spills them (measured: 100 MiB more at peak, in
-/// `tests/tests/memory.rs`). Giving memory back at once (0) made every buffer the Parquet
+/// `tests/tests/integration/memory.rs`). Giving memory back at once (0) made every buffer the Parquet
 /// decoder allocates and frees per page (the compressed page, its decompressed copy, the
 /// dictionary) fault its pages in again: a fifth of the group-by query. One millisecond keeps
 /// those buffers within a page's decoding and still returns a spilled partition's memory

@@ -1,1 +1,1 @@
-//! Shared helpers for the cross-crate tests live in `tests/tests/common`; this library is empty.
+//! Shared helpers for the cross-crate tests live in `tests/tests/integration/common.rs`; this library is empty.

@@ -1,7 +1,13 @@
 //! Prometheus metrics of a running local cluster: the scheduler's and every worker's `/metrics`
 //! pass `promtool check metrics` (Debian's `prometheus` package; `tests/run.sh` installs it), and
 //! their values move as a job runs.
+//!
+//! A test binary of its own: it reads a fresh embedded cluster's pool counters, and the
+//! process-wide buffer cache (`wrk_host::memory::buffers::global`) that the other tests'
+//! embedded clusters fill would show in them.
 
+#[allow(dead_code)]
+#[path = "integration/common.rs"]
 mod common;
 
 use std::io::Write;

@@ -5,15 +5,13 @@
 //! they do not; the answers match the reference and the CPU workers', tables cross between host
 //! and device only at the edges, and the tasks' device memory is freed when they end.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::datatypes::{DataType, Float64Type};
-use common::*;
 
 fn operators(text: &str, operator: &str, ran_on: &str) -> f64 {
     metric_value(

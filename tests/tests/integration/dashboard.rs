@@ -7,13 +7,11 @@
 //! Screenshots go to a temporary directory; with `WRK_UPDATE_SCREENSHOTS=1` they replace
 //! `docs/dashboard.png` and `docs/report.png`.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::*;
+use crate::common::*;
 
 /// A Chromium on the PATH, if any.
 fn chromium() -> Option<PathBuf> {

@@ -3,17 +3,15 @@
 //! must give the answer computed directly in Rust; then workers are killed with SIGKILL at
 //! different moments of a shuffle and the answer must still be right.
 
-mod common;
-
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use crate::common::*;
 use arrow::array::{AsArray, RecordBatch};
 use arrow::compute;
 use arrow::datatypes::{DataType, Float64Type, Int64Type};
-use common::*;
 
 /// A result file's rows, string columns as plain strings (the reader keeps dictionary-encoded
 /// pages as Arrow dictionaries).

@@ -4,14 +4,12 @@
 //! whose workers keep dying poisons its job; and a scheduler without tenants refuses to listen
 //! beyond loopback.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 const COLUMNS: &str = r#"["pickup_longitude", "pickup_latitude", "dropoff_longitude", "dropoff_latitude", "passenger_count"]"#;
 

@@ -4,14 +4,12 @@
 //! prefix, reading footers and only the projected column chunks by ranged requests, caching those
 //! ranges locally, and matches the reference computed from the same files on disk.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// A moto S3 server on a free port of 127.0.0.1, stopped when dropped.
 struct S3Server {

@@ -9,16 +9,14 @@
 //! - Two tasks that each hold half the pool and both need more finish in bounded time: one
 //!   gives way (a retriable failure naming the sizes) and runs again once the other is done.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use arrow::array::{Array, AsArray, Float64Array, RecordBatch};
 use arrow::datatypes::{Float64Type, Int64Type};
-use common::*;
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::basic::Compression;

@@ -1,12 +1,10 @@
 //! The task engine with real components: the on-disk cache of compiled components, and explicit
 //! copies counted in a task's statistics.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::guest;
+use crate::common::guest;
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
 use wrk_host::guest_api::TaskInfo;
 use wrk_host::memory::SpillDir;

@@ -3,12 +3,10 @@
 //! having it (as the job's timeline records), a stage requiring a tag nobody has waits and
 //! says so in `wrk status` until a worker with it joins, and invalid tags are refused.
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 /// The workers that ran each stage's tasks, by stage name.
 fn workers_by_stage(timeline: &wrk_proto::JobTimeline) -> Vec<(String, BTreeSet<String>)> {

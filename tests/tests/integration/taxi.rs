@@ -1,11 +1,9 @@
 //! The taxi haversine job end to end: through `wrk submit` on an embedded cluster, and across a
 //! scheduler process and two worker processes; both must match the reference computed in Rust.
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 fn taxi_job() -> std::path::PathBuf {
     workspace_root().join("guest-examples/taxi-haversine/job.toml")

@@ -2,12 +2,10 @@
 //! error; `auto` registers with the device it found (the CPU on a machine without a GPU) and
 //! `wrk status` shows it.
 
-mod common;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Processes, start_scheduler, wait_for_workers, worker_command, wrk};
+use crate::common::{Processes, start_scheduler, wait_for_workers, worker_command, wrk};
 
 /// Whether this machine has a usable GPU; with `WRK_REQUIRE_GPU=1` it must have one.
 fn has_gpu() -> bool {
@@ -142,6 +140,6 @@ fn auto_and_cpu_workers_register_with_their_device() {
         );
     }
     // The dashboard's worker list carries the same device.
-    let (_, body) = common::http_get(&scheduler.http, "/api/workers");
+    let (_, body) = crate::common::http_get(&scheduler.http, "/api/workers");
     assert!(body.contains("\"device\":\"cpu\""), "{body}");
 }

@@ -2,12 +2,10 @@
 //! three-stage job while one worker is killed with SIGKILL, at ten different moments; every run
 //! must still give the reference answer (running tasks move, lost outputs are recomputed).
 
-mod common;
-
 use std::process::Child;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 #[test]
 fn killing_a_worker_mid_job_ten_times_still_gives_the_reference_answer() {

@@ -3,11 +3,9 @@
 //! and missing tokens are refused with a clear message; a tenant's `max_tasks` holds, as its
 //! jobs' timelines show.
 
-mod common;
-
 use std::process::{Command, Output, Stdio};
 
-use common::*;
+use crate::common::*;
 use wrk_proto::JobRef;
 
 const ALICE: &str = "alice-token-0123456789";

@@ -1,13 +1,11 @@
 //! Bad modules and misbehaving guests fail their task with an error naming the module and the
 //! cause, and the worker that ran them goes on serving the next job.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use wrk_cli::job::{self, Overrides};
 use wrk_cli::local::{LocalCluster, LocalClusterConfig};
 

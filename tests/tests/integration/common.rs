@@ -1,7 +1,5 @@
 //! Helpers shared by the integration tests: building the guests and the `wrk` binary once per
-//! test binary, generating taxi data, and the reference answer computed directly in Rust.
-
-#![allow(dead_code)]
+//! test run, generating taxi data, and the reference answer computed directly in Rust.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -2,17 +2,15 @@
 //! run through `wrk submit` on an embedded two-worker cluster and checked against an answer
 //! computed directly in Rust from the same Parquet files.
 
-mod common;
-
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
+use crate::common::*;
 use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, StringArray};
 use arrow::compute;
 use arrow::datatypes::{DataType, Float64Type, Int64Type};
-use common::*;
 
 /// Runs `guest-examples/<example>/job.toml` with its module, the given sources and parameters,
 /// and returns the result table.

@@ -26,8 +26,6 @@
 //! succeeded or failed, it patches the pod's `status` subresource as a kubelet would, and the
 //! real controllers (ReplicaSet, Deployment, Job) take it from there.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -46,7 +44,7 @@ use wrk_operator::crd::{WrkCluster, WrkJob};
 const NAMESPACE: &str = "default";
 
 fn script() -> PathBuf {
-    common::workspace_root().join("operator/testenv/k8s.sh")
+    crate::common::workspace_root().join("operator/testenv/k8s.sh")
 }
 
 fn free_port() -> u16 {
@@ -137,7 +135,7 @@ impl Operator {
     /// within a second.
     fn start(kubeconfig: &Path, log: PathBuf, scale_scheduler: &str) -> Operator {
         let file = std::fs::File::create(&log).expect("operator log");
-        let child = Command::new(common::wrk())
+        let child = Command::new(crate::common::wrk())
             .args(["operator", "run", "--pending-timeout-secs", "3"])
             .args(["--advice-interval-secs", "1", "--scaling-target-secs", "1"])
             .arg("--scheduler-address")
@@ -289,7 +287,7 @@ async fn operator_against_a_real_api_server() {
     let client = plane.client().await;
 
     // CRDs as `wrk operator crds` prints them.
-    let output = Command::new(common::wrk())
+    let output = Command::new(crate::common::wrk())
         .args(["operator", "crds"])
         .output()
         .expect("run wrk operator crds");
@@ -393,8 +391,8 @@ async fn operator_against_a_real_api_server() {
     );
     let tenants_file = dir.path().join("tenants.toml");
     std::fs::write(&tenants_file, &tenants).expect("write tenants");
-    let mut processes = common::Processes(Vec::new());
-    let scheduler = common::start_scheduler(
+    let mut processes = crate::common::Processes(Vec::new());
+    let scheduler = crate::common::start_scheduler(
         &mut processes,
         &["--tenants", tenants_file.to_str().expect("UTF-8 path")],
         &[("WRK_WORKER_TOKEN", WORKER_TOKEN)],
@@ -858,7 +856,7 @@ async fn scaling_follows_the_real_scheduler(
     scheduler_url: &str,
     tenants: &str,
     dir: &tempfile::TempDir,
-    processes: &mut common::Processes,
+    processes: &mut crate::common::Processes,
 ) {
     let secret: Secret = serde_json::from_value(serde_json::json!({
         "apiVersion": "v1",
@@ -943,7 +941,7 @@ async fn scaling_follows_the_real_scheduler(
     set_pod_status(&apis.pods, "scale-first-0", "Running", true).await;
     let cache = dir.path().join("cache");
     processes.0.push(
-        Command::new(common::wrk())
+        Command::new(crate::common::wrk())
             .args([
                 "worker",
                 "--scheduler",
@@ -962,7 +960,7 @@ async fn scaling_follows_the_real_scheduler(
             .spawn()
             .expect("start wrk worker"),
     );
-    common::wait_for_workers(scheduler_url, 1, Some(USER_TOKEN));
+    crate::common::wait_for_workers(scheduler_url, 1, Some(USER_TOKEN));
 
     // The scheduler becomes available: the operator asks it (with the client token) and, the
     // cluster having no work, the idle timeout takes every group to its floor: the fixed group
@@ -1007,11 +1005,11 @@ async fn scaling_follows_the_real_scheduler(
         format!(
             "name = \"backlog\"\nmodule = \"{}\"\n[params]\ndelay_ms = \"250\"\n\
              [[stage]]\nname = \"work\"\ntasks = 400\n",
-            common::guest("test-guest-slow").display()
+            crate::common::guest("test-guest-slow").display()
         ),
     )
     .expect("write the job file");
-    let submit = Command::new(common::wrk())
+    let submit = Command::new(crate::common::wrk())
         .arg("submit")
         .arg(&job_file)
         .args(["--scheduler", scheduler_url, "--quiet"])

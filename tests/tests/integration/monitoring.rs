@@ -3,13 +3,11 @@
 //! recording rule), and every series the dashboard and the rules use is one the scheduler or the
 //! workers export, or one the monitoring README lists as planned (pool and GPU series).
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::workspace_root;
+use crate::common::workspace_root;
 
 fn monitoring() -> PathBuf {
     workspace_root().join("operator/chart/monitoring")
