@@ -39,7 +39,7 @@ use wrk_cli::{client, datasets, output, taxi};
 use wrk_host::device::DeviceConfig;
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
 use wrk_host::gpu::detect::DeviceRequest;
-use wrk_host::guest_api::TaskInfo;
+use wrk_host::guest_api::{TaskInfo, TaskTable};
 use wrk_host::memory::size::{self, MachineMemory, SizeSpec};
 use wrk_host::memory::spill::{self as spill, SpillDir};
 use wrk_host::shuffle::TransportChoice;
@@ -1013,22 +1013,29 @@ async fn run_one(args: RunArgs) -> Result<()> {
         for table in &tables {
             memory.track(table.batch())?;
         }
-        Ok(engine.run(&compiled, info, tables, limits, never_cancelled, memory)?)
+        let inputs = tables.into_iter().map(TaskTable::from).collect();
+        Ok(engine.run(&compiled, info, inputs, limits, never_cancelled, memory)?)
     })
     .await??;
+    // A task without a GPU leaves its outputs in host memory: this copies nothing.
+    let outputs = run
+        .outputs
+        .iter()
+        .map(TaskTable::host)
+        .collect::<Result<Vec<Table>, _>>()?;
     eprintln!(
         "task finished in {:.1?} (instantiation {:.1?}); {} output table(s)",
         run.duration,
         run.instantiate,
         run.outputs.len()
     );
-    match (args.output, run.outputs.first()) {
+    match (args.output, outputs.first()) {
         (Some(path), Some(first)) => {
             output::write_parquet(&path, first.batch())?;
             eprintln!("wrote {} rows to {}", first.num_rows(), path.display());
         }
         _ => {
-            for table in &run.outputs {
+            for table in &outputs {
                 output::print(table.batch(), args.max_rows)?;
             }
         }

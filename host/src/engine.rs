@@ -23,7 +23,6 @@ use crate::guest_api::bindings::{Task, TaskPre};
 use crate::guest_api::{CopyStats, TaskInfo, TaskState, TaskTable, WIT_PACKAGE, WIT_VERSION};
 use crate::limits::{MemoryLimitExceeded, MemoryLimiter};
 use crate::store::TaskMemory;
-use crate::table::Table;
 use prometheus::{IntCounter, IntCounterVec};
 
 /// How often the epoch advances; task deadlines are counted in these ticks.
@@ -133,7 +132,8 @@ pub struct CompiledTask {
 /// What a successful task produced.
 #[derive(Debug)]
 pub struct TaskRun {
-    pub outputs: Vec<Table>,
+    /// Where the task left them: in host memory, or (on a GPU worker) on the device.
+    pub outputs: Vec<TaskTable>,
     pub copies: CopyStats,
     pub guest_memory_peak: usize,
     /// Instantiation time (the compiled component was already at hand).
@@ -415,7 +415,7 @@ impl TaskEngine {
         &self,
         compiled: &CompiledTask,
         info: Arc<TaskInfo>,
-        inputs: Vec<Table>,
+        inputs: Vec<TaskTable>,
         limits: TaskLimits,
         cancel: Arc<AtomicBool>,
         memory: Arc<TaskMemory>,
@@ -460,7 +460,7 @@ impl TaskEngine {
         let instantiate = started.elapsed();
         let handles = inputs
             .into_iter()
-            .map(|table| store.data_mut().table.push(TaskTable::Host(table)))
+            .map(|table| store.data_mut().table.push(table))
             .collect::<Result<Vec<Resource<TaskTable>>, _>>()
             .map_err(|e| host_err(e.into()))?;
         let returned = match task.call_run(&mut store, &handles) {
@@ -480,18 +480,11 @@ impl TaskEngine {
             },
         })?;
         let state = store.data_mut();
-        // Outputs go to the store in host memory.
+        // Outputs go to the store where they are: a device table stays on the device.
         let outputs = handles
             .into_iter()
-            .enumerate()
-            .map(|(i, handle)| {
-                let table = state.table.delete(handle).map_err(|e| host_err(e.into()))?;
-                table.host().map_err(|e| TaskError::Host {
-                    module: module.clone(),
-                    detail: format!("copying output {i} from the device failed: {e}"),
-                })
-            })
-            .collect::<Result<Vec<Table>, _>>()?;
+            .map(|handle| state.table.delete(handle).map_err(|e| host_err(e.into())))
+            .collect::<Result<Vec<TaskTable>, _>>()?;
         Ok(TaskRun {
             outputs,
             copies: state.copies,

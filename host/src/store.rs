@@ -2,10 +2,17 @@
 //! pieces received for reducers placed here, kept in the worker's memory pool until they are
 //! released, spilled to disk under pressure and read back when a task or a peer needs them.
 //!
+//! On a GPU worker a task's output made on the device stays there: the store keeps the
+//! [`ResidentTable`](crate::gpu::resident::ResidentTable) (which the device pool spills to host memory under its own pressure) and
+//! the next stage's tasks here read it without a copy. It comes to host memory (once, counted)
+//! only when something needs it there: a peer, a CPU operator, or spilling; once it has a host
+//! copy and no task reads it, it spills to disk like any other partition.
+//!
 //! The store also admits work into the pool: running tasks register an account
 //! ([`PartitionStore::begin_task`]) and take leases for their working set; an admission that
 //! does not fit spills least-recently-used partitions no running task holds (a table whose
-//! `Arc` only the store holds), then waits for running tasks to give memory back, and fails
+//! `Arc` only the store holds), then waits for running tasks to give memory back (a later
+//! admission does not take the memory an earlier one waits for), and fails
 //! with the sizes named when the request can never fit or when every other running task is
 //! waiting too (waiting would deadlock).
 
@@ -16,6 +23,8 @@ use std::time::{Duration, Instant};
 use arrow::buffer::Buffer;
 
 use crate::cpu::build_cache::BuildCache;
+use crate::gpu::table::TableError;
+use crate::guest_api::TaskTable;
 use crate::memory::pool::{Account, Pool, PoolStats};
 use crate::memory::size::Bytes;
 use crate::memory::spill::{SpillDir, SpillError, SpillFile};
@@ -127,6 +136,8 @@ pub enum PoolError {
     },
     #[error(transparent)]
     Spill(#[from] SpillError),
+    #[error("copying a stored table from the device failed: {0}")]
+    Device(#[from] TableError),
 }
 
 impl PoolError {
@@ -137,20 +148,50 @@ impl PoolError {
 }
 
 struct Entry {
-    /// The table, while it is in memory.
-    table: Option<Table>,
+    /// The table, while it is in memory: host memory, or the device for a GPU task's output.
+    table: Option<TaskTable>,
     /// Its spill file, once written; kept after unspilling (partitions never change), so a
     /// second spill costs no I/O.
     file: Option<Arc<SpillFile>>,
-    /// Bytes of the table in memory.
+    /// Bytes of the table in host memory (a device table's: once it has a host copy).
     bytes: u64,
     last_used: u64,
 }
 
 impl Entry {
-    /// Whether only the store holds the table, so spilling it frees its memory.
+    /// Whether spilling the table frees host memory: only the store holds it, and it is in
+    /// host memory (a device table once it has a host copy; the device pool spills its
+    /// device copy).
     fn spillable(&self) -> bool {
-        self.table.as_ref().is_some_and(|t| t.holders() == 1)
+        match &self.table {
+            Some(TaskTable::Host(table)) => table.holders() == 1,
+            Some(TaskTable::Device(resident)) => {
+                // The copy in hand and the resident table's own.
+                Arc::strong_count(resident) == 1
+                    && resident.host_copy().is_some_and(|host| host.holders() == 2)
+            }
+            None => false,
+        }
+    }
+
+    /// The table's copy in host memory now, if it has one.
+    fn host_copy(&self) -> Option<Table> {
+        match &self.table {
+            Some(TaskTable::Host(table)) => Some(table.clone()),
+            Some(TaskTable::Device(resident)) => resident.host_copy(),
+            None => None,
+        }
+    }
+
+    /// Bytes of the table in host memory now.
+    fn memory_bytes(&self) -> u64 {
+        match &self.table {
+            Some(TaskTable::Host(_)) => self.bytes,
+            Some(TaskTable::Device(resident)) => resident
+                .host_copy()
+                .map_or(0, |host| host.memory_bytes() as u64),
+            None => 0,
+        }
     }
 }
 
@@ -160,8 +201,9 @@ struct Inner {
     /// Accounts of the running tasks, by registration number.
     tasks: HashMap<u64, Arc<Account>>,
     next_task: u64,
-    /// Admissions waiting for memory now, by arrival.
-    waiters: std::collections::BTreeSet<u64>,
+    /// Admissions waiting for memory now, by arrival, with the bytes each needs. A later
+    /// admission leaves room for them: it does not take the memory an earlier one waits for.
+    waiters: std::collections::BTreeMap<u64, u64>,
     next_ticket: u64,
     /// Logical clock for least-recently-used order.
     clock: u64,
@@ -234,20 +276,28 @@ impl PartitionStore {
     }
 
     /// Keeps `table` as partition `id`, spilling older partitions (or this one) when the pool
-    /// overflows.
-    pub fn insert(&self, id: PartitionId, table: Table) {
-        self.insert_stored(StoredKey::Output(id), table);
+    /// overflows. A device table stays on the device, its host copies claimed by the store.
+    pub fn insert(&self, id: PartitionId, table: impl Into<TaskTable>) {
+        self.insert_stored(StoredKey::Output(id), table.into());
     }
 
     /// Keeps a shuffle piece until [`PartitionStore::release_pieces`], like a partition: in the
     /// pool, spilled under pressure.
     pub fn insert_piece(&self, id: PieceId, table: Table) {
-        self.insert_stored(StoredKey::Piece(id), table);
+        self.insert_stored(StoredKey::Piece(id), TaskTable::Host(table));
     }
 
-    fn insert_stored(&self, id: StoredKey, table: Table) {
-        self.account.claim(table.batch());
-        let bytes = table.memory_bytes() as u64;
+    fn insert_stored(&self, id: StoredKey, table: TaskTable) {
+        let bytes = match &table {
+            TaskTable::Host(table) => {
+                self.account.claim(table.batch());
+                table.memory_bytes() as u64
+            }
+            TaskTable::Device(resident) => {
+                resident.hand_to(self.account.clone());
+                0
+            }
+        };
         let mut inner = self.lock();
         inner.clock += 1;
         let entry = Entry {
@@ -291,11 +341,13 @@ impl PartitionStore {
                 return Ok(false);
             };
             let started = Instant::now();
-            if entry.file.is_none()
-                && let Some(table) = &entry.table
-            {
-                entry.file = Some(Arc::new(self.spill.write(table.batch())?));
+            if let Some(host) = entry.host_copy() {
+                entry.bytes = host.memory_bytes() as u64;
+                if entry.file.is_none() {
+                    entry.file = Some(Arc::new(self.spill.write(host.batch())?));
+                }
             }
+            // A device table's device copy goes too: nobody reads it.
             entry.table = None;
             self.pool.record_spill(entry.bytes, started.elapsed());
             tracing::debug!(what = %id, bytes = entry.bytes, "spilled to disk");
@@ -303,29 +355,34 @@ impl PartitionStore {
     }
 
     /// Partition `id` for a task (which then keeps it from spilling while it holds it), read
-    /// back from disk if it was spilled. `Ok(None)` when the store does not have it.
+    /// back from disk if it was spilled. A device table is given as it is (its host copies
+    /// stay claimed by the store). `Ok(None)` when the store does not have it.
     pub fn get(
         &self,
         id: &PartitionId,
         task: Option<&TaskMemory>,
-    ) -> Result<Option<Table>, PoolError> {
+    ) -> Result<Option<TaskTable>, PoolError> {
         self.get_stored(&StoredKey::Output(id.clone()), task)
     }
 
-    /// A shuffle piece, as [`PartitionStore::get`] gives a partition.
+    /// A shuffle piece, as [`PartitionStore::get`] gives a partition (pieces are kept in host
+    /// memory).
     pub fn get_piece(
         &self,
         id: &PieceId,
         task: Option<&TaskMemory>,
     ) -> Result<Option<Table>, PoolError> {
-        self.get_stored(&StoredKey::Piece(id.clone()), task)
+        match self.get_stored(&StoredKey::Piece(id.clone()), task)? {
+            Some(table) => Ok(Some(table.host()?)),
+            None => Ok(None),
+        }
     }
 
     fn get_stored(
         &self,
         id: &StoredKey,
         task: Option<&TaskMemory>,
-    ) -> Result<Option<Table>, PoolError> {
+    ) -> Result<Option<TaskTable>, PoolError> {
         let mut inner = self.lock();
         inner.clock += 1;
         let clock = inner.clock;
@@ -337,8 +394,8 @@ impl PartitionStore {
         if let Some(table) = &entry.table {
             let table = table.clone();
             // The task's working set includes its inputs: their claims move to its account.
-            if let Some(task) = task {
-                task.account.claim(table.batch());
+            if let (Some(task), TaskTable::Host(host)) = (task, &table) {
+                task.account.claim(host.batch());
             }
             return Ok(Some(table));
         }
@@ -357,19 +414,20 @@ impl PartitionStore {
         self.pool.record_unspill(bytes, started.elapsed());
         match inner.entries.get_mut(id) {
             Some(entry) => {
-                entry.table = Some(table.clone());
+                entry.table = Some(TaskTable::Host(table.clone()));
                 entry.bytes = table.memory_bytes() as u64;
             }
             // Released while it was read: the task still gets it.
             None => tracing::debug!(what = %id, "released while read back"),
         }
         tracing::debug!(what = %id, bytes, "read back from disk");
-        Ok(Some(table))
+        Ok(Some(TaskTable::Host(table)))
     }
 
     /// Partition `id` as an Arrow IPC stream for a peer, in segments: the table's own buffers
     /// between the messages' headers (see [`ipc_segments`]), or a spilled partition's file read
-    /// as it is, without coming back into the pool.
+    /// as it is, without coming back into the pool. A device table is copied to host memory
+    /// first (once: the store keeps the copy).
     pub fn ipc_stream(&self, id: &PartitionId) -> Option<Result<Vec<Buffer>, String>> {
         let (table, file) = {
             let mut inner = self.lock();
@@ -380,7 +438,10 @@ impl PartitionStore {
             (entry.table.clone(), entry.file.clone())
         };
         Some(match (table, file) {
-            (Some(table), _) => ipc_segments(table.batch()).map_err(|e| e.to_string()),
+            (Some(table), _) => table
+                .host()
+                .map_err(|e| format!("copying partition {id} from the device failed: {e}"))
+                .and_then(|host| ipc_segments(host.batch()).map_err(|e| e.to_string())),
             (None, Some(file)) => file
                 .read_bytes()
                 .map(|bytes| vec![Buffer::from(bytes)])
@@ -446,7 +507,7 @@ impl PartitionStore {
                 pieces += 1;
             }
             if entry.table.is_some() {
-                resident += entry.bytes;
+                resident += entry.memory_bytes();
             } else {
                 spilled += 1;
                 spilled_bytes += entry.bytes;
@@ -515,7 +576,11 @@ impl PartitionStore {
         let mut stuck_since: Option<Instant> = None;
         let me = task.map(|t| t.key);
         loop {
-            match self.evict(&mut inner, needed) {
+            let ahead: u64 = match *ticket {
+                Some(mine) => inner.waiters.range(..mine).map(|(_, bytes)| bytes).sum(),
+                None => inner.waiters.values().sum(),
+            };
+            match self.evict(&mut inner, needed + ahead) {
                 Ok(true) => return (inner, Ok(())),
                 Ok(false) => {}
                 Err(e) => return (inner, Err(e.into())),
@@ -525,7 +590,7 @@ impl PartitionStore {
                 None => {
                     inner.next_ticket += 1;
                     let t = inner.next_ticket;
-                    inner.waiters.insert(t);
+                    inner.waiters.insert(t, needed);
                     *ticket = Some(t);
                     t
                 }
@@ -538,12 +603,7 @@ impl PartitionStore {
                     .filter(|(k, _)| Some(**k) != me)
                     .map(|(_, a)| a.working_set())
                     .sum();
-                let partitions = inner
-                    .entries
-                    .values()
-                    .filter(|e| e.table.is_some())
-                    .map(|e| e.bytes)
-                    .sum();
+                let partitions = inner.entries.values().map(Entry::memory_bytes).sum();
                 PoolError::NoRoom {
                     what: what.to_string(),
                     needed: Bytes(needed),
@@ -558,7 +618,7 @@ impl PartitionStore {
             // Only running tasks give memory back. With every other one waiting too (or none
             // running), waiting cannot help: the newest waiter gives way, the others go on.
             let other_waiters = inner.waiters.len() - 1;
-            let newest = inner.waiters.last() == Some(&mine);
+            let newest = inner.waiters.last_key_value().map(|(t, _)| *t) == Some(mine);
             if other_waiters >= others && newest {
                 let since = *stuck_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= DEADLOCK_GRACE {
@@ -807,7 +867,12 @@ mod tests {
         assert_eq!(spill_files(&store), 1);
         drop(held);
         // Partition 0 comes back transparently, intact, and something else makes room.
-        let back = store.get(&id("j", 0), None).unwrap().unwrap();
+        let back = store
+            .get(&id("j", 0), None)
+            .unwrap()
+            .unwrap()
+            .host()
+            .unwrap();
         let values = back
             .batch()
             .column(0)
@@ -861,6 +926,68 @@ mod tests {
         );
     }
 
+    /// A GPU task's output is stored on the device: a task here gets it without a copy, a
+    /// peer's fetch copies it to host memory once (claimed by the store), and once it has a
+    /// host copy and nobody reads it, it spills to disk like any partition, its device memory
+    /// freed.
+    #[test]
+    fn a_device_table_stays_on_the_device_until_host_memory_needs_it() {
+        use crate::gpu::resident::ResidentTable;
+        use crate::gpu::{DeviceCounters, Direction, GpuRuntime, emulator};
+        if emulator::skipped_without_compiler("a_device_table_stays_on_the_device") {
+            return;
+        }
+        let runtime = GpuRuntime::emulated(None, DeviceCounters::default()).unwrap();
+        let downloads = || runtime.transfers.totals(Direction::ToHost).1;
+        // Room for two 80 KB partitions, not three.
+        let (store, _dir) = store(200_000);
+        let original = table(10_000, 3.0);
+        let made = crate::gpu::table::upload(&runtime, original.batch()).unwrap();
+        let task = store.begin_task("j/0/0");
+        let output = ResidentTable::new(&runtime, made, None, Some(task.account().clone()));
+        store.insert(id("j", 0), TaskTable::Device(output));
+        drop(task);
+
+        match store.get(&id("j", 0), None).unwrap() {
+            Some(TaskTable::Device(stored)) => assert!(stored.on_device()),
+            other => panic!("expected the device table, got {other:?}"),
+        }
+        assert_eq!(downloads(), 0);
+        assert_eq!(store.stats().bytes, 0, "nothing of it in host memory");
+
+        for _ in 0..2 {
+            let stream = store.ipc_stream(&id("j", 0)).unwrap().unwrap();
+            let joined: Vec<u8> = stream.iter().flat_map(|s| s.to_vec()).collect();
+            assert_eq!(
+                crate::table::decode_ipc(&joined).unwrap(),
+                original.batch().clone()
+            );
+        }
+        assert_eq!(downloads(), 1, "copied once, then served from the copy");
+        let stats = store.stats();
+        assert!(stats.bytes >= 80_000, "{stats:?}");
+        assert!(
+            stats.pool.used >= 80_000,
+            "the store claims the copy: {stats:?}"
+        );
+
+        store.insert(id("j", 1), table(10_000, 1.0));
+        store.insert(id("j", 2), table(10_000, 2.0));
+        let stats = store.stats();
+        assert_eq!(stats.spilled_partitions, 1, "{stats:?}");
+        assert_eq!(spill_files(&store), 1);
+        assert_eq!(
+            runtime.resident.counts(),
+            (0, 0),
+            "its device copy went too"
+        );
+        match store.get(&id("j", 0), None).unwrap() {
+            Some(TaskTable::Host(back)) => assert_eq!(back.batch(), original.batch()),
+            other => panic!("expected it read back from disk, got {other:?}"),
+        }
+        assert_eq!(downloads(), 1);
+    }
+
     #[test]
     fn leases_spill_others_and_a_lease_that_can_never_fit_fails_naming_sizes() {
         let (store, _dir) = store(200_000);
@@ -878,6 +1005,35 @@ mod tests {
         assert_eq!(store.stats().pool.leased, 0);
         drop(task);
         assert!(store.stats().pool.used < 1000);
+    }
+
+    /// A later admission does not take the memory an earlier one waits for: with a task
+    /// waiting for 100 KB and 50 KB free, a new task asking for 50 KB waits too, and both get
+    /// theirs once memory is given back.
+    #[test]
+    fn a_later_admission_does_not_take_memory_an_earlier_one_waits_for() {
+        let (store, _dir) = store(300_000);
+        let (a, b, c) = (
+            store.begin_task("a"),
+            store.begin_task("b"),
+            store.begin_task("c"),
+        );
+        let _held_by_a = a.lease(100_000).unwrap();
+        let held_by_b = b.lease(150_000).unwrap();
+        let more_for_a = std::thread::spawn(move || a.lease(100_000).map(|l| l.bytes()));
+        while store.lock().waiters.is_empty() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let first_for_c = std::thread::spawn(move || c.lease(50_000).map(|l| l.bytes()));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(
+            !first_for_c.is_finished(),
+            "the later lease took the memory the earlier one waits for"
+        );
+        assert!(!more_for_a.is_finished());
+        drop(held_by_b);
+        assert_eq!(more_for_a.join().unwrap().unwrap(), 100_000);
+        assert_eq!(first_for_c.join().unwrap().unwrap(), 50_000);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use wrk_proto::{
 
 use crate::device::{DeviceConfig, DeviceError, WorkerDevice};
 use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
-use crate::guest_api::{TaskInfo, WIT_VERSION};
+use crate::guest_api::{TaskInfo, TaskTable, WIT_VERSION};
 use crate::memory::spill::{SpillDir, SpillError};
 use crate::metrics::WorkerMetrics;
 use crate::shuffle::pieces::PieceStore;
@@ -599,7 +599,7 @@ fn run_assigned(shared: &Arc<Shared>, runtime: &tokio::runtime::Handle, assigned
                 .iter()
                 .map(|t| OutputMeta {
                     rows: t.num_rows() as u64,
-                    bytes: t.memory_bytes() as u64,
+                    bytes: t.memory_bytes(),
                 })
                 .collect();
             for (index, table) in outputs.into_iter().enumerate() {
@@ -642,7 +642,7 @@ fn run_assigned(shared: &Arc<Shared>, runtime: &tokio::runtime::Handle, assigned
 struct Prepared {
     compiled: Arc<CompiledTask>,
     memory: Arc<TaskMemory>,
-    inputs: Vec<Table>,
+    inputs: Vec<TaskTable>,
     shuffle: Option<Arc<TaskShuffle>>,
 }
 
@@ -705,7 +705,7 @@ fn execute(
     runtime: &tokio::runtime::Handle,
     task: AssignTask,
     cancel: Arc<AtomicBool>,
-) -> Result<(Vec<Table>, TaskStats), Failure> {
+) -> Result<(Vec<TaskTable>, TaskStats), Failure> {
     let started = Instant::now();
     let id = task.task.clone().unwrap_or_default();
     let Prepared {
@@ -838,7 +838,7 @@ async fn load_input(
     shared: &Arc<Shared>,
     input: &wrk_proto::TaskInput,
     memory: &Arc<TaskMemory>,
-) -> Result<Table, Failure> {
+) -> Result<TaskTable, Failure> {
     match &input.kind {
         Some(InputKind::Parquet(partition)) => {
             // Room for the decoded batches and the table they are combined into.
@@ -852,10 +852,12 @@ async fn load_input(
                 .map_err(Failure::fatal)?;
             memory.track(table.batch()).map_err(pool_failure)?;
             drop(reading);
-            Ok(table)
+            Ok(table.into())
         }
         Some(InputKind::Partition(location)) => load_partition(shared, location, memory).await,
-        Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast, memory).await,
+        Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast, memory)
+            .await
+            .map(TaskTable::from),
         None => Err(Failure::fatal("a task input has no kind")),
     }
 }
@@ -902,13 +904,13 @@ async fn fetch_partitions(shared: Arc<Shared>, fetch: FetchPartitions) {
         .await;
 }
 
-/// A partition held here (read back if it was spilled) or by a peer, counted in the task's
-/// memory; on the task's slot thread, like [`load_input`].
+/// A partition held here (read back if it was spilled; on a GPU worker, maybe on the device) or
+/// by a peer, counted in the task's memory; on the task's slot thread, like [`load_input`].
 async fn load_partition(
     shared: &Arc<Shared>,
     location: &wrk_proto::PartitionLocation,
     memory: &Arc<TaskMemory>,
-) -> Result<Table, Failure> {
+) -> Result<TaskTable, Failure> {
     let key = location.key.clone().unwrap_or_default();
     if location.worker_id == shared.worker_id {
         return shared
@@ -928,7 +930,7 @@ async fn load_partition(
         .await
         .map_err(Failure::retriable)?;
     memory.track(table.batch()).map_err(pool_failure)?;
-    Ok(table)
+    Ok(table.into())
 }
 
 /// A broadcast input: the first task of the worker to need it fetches and concatenates the
@@ -953,9 +955,16 @@ async fn load_broadcast(
         .or_default()
         .clone();
     cell.get_or_try_init(|| async {
+        // In host memory: the tasks share it, and a join builds its index on it once.
         let mut tables = Vec::with_capacity(broadcast.partitions.len());
         for location in &broadcast.partitions {
-            tables.push(load_partition(shared, location, memory).await?);
+            let table = load_partition(shared, location, memory).await?;
+            tables.push(table.host().map_err(|e| {
+                Failure::retriable(format!(
+                    "broadcast input from stage #{}: copying a partition from the device failed: {e}",
+                    broadcast.stage
+                ))
+            })?);
         }
         let Some(first) = tables.first() else {
             return Err(Failure::fatal(format!(

@@ -12,6 +12,10 @@
 //! copied to host memory, its copy claimed by the owning task's account of the worker's memory
 //! pool (which makes room there by spilling the store's partitions to disk), and its device
 //! buffers are dropped. The next device operator that reads it uploads it again.
+//!
+//! A task's output left on the device goes to the worker's partition store as it is: its owner
+//! becomes the store (see [`ResidentTable::hand_to`]), and the next stage's tasks on this
+//! worker read it there without a copy. It is spilled like any other resident table.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -59,8 +63,9 @@ pub struct ResidentTable {
     rows: usize,
     copies: Mutex<Copies>,
     last_used: AtomicU64,
-    /// The account the task's host copies are claimed by.
-    owner: Option<Arc<Account>>,
+    /// The account host copies are claimed by: the task's, or the store's once the table is
+    /// a stored partition.
+    owner: Mutex<Option<Arc<Account>>>,
 }
 
 impl ResidentTable {
@@ -80,7 +85,7 @@ impl ResidentTable {
                 None => Copies::Device(Arc::new(table)),
             }),
             last_used: AtomicU64::new(runtime.resident.tick()),
-            owner,
+            owner: Mutex::new(owner),
         });
         runtime.resident.register(&resident);
         resident
@@ -113,6 +118,31 @@ impl ResidentTable {
     /// Whether the table is in device memory now (not spilled).
     pub fn on_device(&self) -> bool {
         self.lock().device().is_some()
+    }
+
+    /// Its host copy, if it has one now (nothing is downloaded).
+    pub fn host_copy(&self) -> Option<Table> {
+        self.lock().host().cloned()
+    }
+
+    /// Its size: of the device copy, or of the host copy once spilled.
+    pub fn bytes(&self) -> u64 {
+        match &*self.lock() {
+            Copies::Device(device) | Copies::Both(device, _) => device.bytes(),
+            Copies::Host(host) => host.memory_bytes() as u64,
+        }
+    }
+
+    /// Makes `owner` claim the table's host copies from now on, and the one it has now.
+    pub fn hand_to(&self, owner: Arc<Account>) {
+        *self.owner.lock().unwrap_or_else(|e| e.into_inner()) = Some(owner.clone());
+        if let Some(host) = self.host_copy() {
+            owner.claim(host.batch());
+        }
+    }
+
+    fn owner(&self) -> Option<Arc<Account>> {
+        self.owner.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The table in device memory for an operator to read, uploaded again (counted) when it
@@ -164,14 +194,14 @@ impl ResidentTable {
             return Ok(None);
         };
         let array = download_array(&self.runtime, name, column)?;
-        if let Some(owner) = &self.owner {
+        if let Some(owner) = self.owner() {
             owner.claim_array(array.as_ref());
         }
         Ok(Some(array))
     }
 
     fn claimed(&self, batch: arrow::record_batch::RecordBatch) -> Table {
-        if let Some(owner) = &self.owner {
+        if let Some(owner) = self.owner() {
             owner.claim(&batch);
         }
         Table::new(batch)

@@ -5,8 +5,10 @@
 //! pieces, the guest's own copies) and move to the device the first time a device operator
 //! reads them; operators the device runs leave their results there. A table leaves the device
 //! only when something needs it in host memory: an operator no kernel covers, a copy into the
-//! guest, a shuffle send, a Parquet write, or the task's output going to the store. Every move
-//! is a counted transfer, made once per table.
+//! guest, a shuffle send, a Parquet write. A task's outputs go to the partition store as they
+//! are, and the next stage's tasks on the worker read them from there; a stored device table
+//! comes to host memory when a peer fetches it. Every move is a counted transfer, made once
+//! per table.
 
 use std::sync::Arc;
 
@@ -22,6 +24,19 @@ pub enum TaskTable {
     Device(Arc<ResidentTable>),
 }
 
+impl std::fmt::Debug for TaskTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (place, rows) = match self {
+            TaskTable::Host(table) => ("host", table.num_rows()),
+            TaskTable::Device(table) => ("device", table.rows()),
+        };
+        f.debug_struct("TaskTable")
+            .field("memory", &place)
+            .field("rows", &rows)
+            .finish()
+    }
+}
+
 impl TaskTable {
     pub fn schema(&self) -> SchemaRef {
         match self {
@@ -34,6 +49,14 @@ impl TaskTable {
         match self {
             TaskTable::Host(table) => table.num_rows(),
             TaskTable::Device(table) => table.rows(),
+        }
+    }
+
+    /// Bytes it takes where it is (a device table: in device memory until spilled).
+    pub fn memory_bytes(&self) -> u64 {
+        match self {
+            TaskTable::Host(table) => table.memory_bytes() as u64,
+            TaskTable::Device(table) => table.bytes(),
         }
     }
 

@@ -27,6 +27,13 @@ fn transferred(text: &str, direction: &str) -> f64 {
     )
 }
 
+fn transfers(text: &str, direction: &str) -> f64 {
+    metric_value(
+        text,
+        &format!(r#"wrk_worker_device_transfers_total{{direction="{direction}"}}"#),
+    )
+}
+
 /// `wrk submit` of `guest-examples/<example>` with its sources, on the scheduler at `url` or
 /// (with `None`) on an embedded two-worker CPU cluster; returns the result file, in `out`.
 fn submit(
@@ -194,11 +201,23 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
         !taxi.contains(r#"ran_on="host""#),
         "every operator of the taxi job has a kernel: {taxi}"
     );
-    // The trips went up once per task; only the small per-task results came back.
+    // The trips went up once per `distance` task. Their results stayed on the device, in the
+    // worker's store, for the `summary` task; only the job's result came back, when `wrk
+    // submit` fetched it.
     let up = transferred(&taxi, "to_device") - transferred(&start, "to_device");
     let down = transferred(&taxi, "to_host") - transferred(&start, "to_host");
     assert!(up >= 50_000.0 * (4.0 * 8.0 + 4.0), "uploaded {up} bytes");
     assert!(down > 0.0 && down < up / 100.0, "downloaded {down} bytes");
+    assert_eq!(
+        transfers(&taxi, "to_device") - transfers(&start, "to_device"),
+        2.0,
+        "{taxi}"
+    );
+    assert_eq!(
+        transfers(&taxi, "to_host") - transfers(&start, "to_host"),
+        1.0,
+        "{taxi}"
+    );
 
     // Jobs with operators no kernel covers: two-key group-bys (fare-stats), a group-by on
     // strings after a join on the device (zone-join); and a top-k on the device (top-fares).
