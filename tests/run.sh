@@ -67,9 +67,9 @@ fi
 # Earlier builds' artifacts pile up in target/debug (each change of dependencies or features leaves
 # a new set beside the old) until the disk fills. With less than 10 GiB free, start afresh (a
 # fresh build of everything here takes about 4 GiB; see the profiles in Cargo.toml).
-free_gib=$(df -P -B1G . | awk 'NR == 2 { print $4 }')
+read -r free_gib mount < <(df -P -B1G . | awk 'NR == 2 { print $4, $6 }')
 if [ -d target/debug ] && [ "$free_gib" -lt 10 ]; then
-    echo "tests/run.sh: only ${free_gib} GiB free on $(df -P . | awk 'NR == 2 { print $6 }'); removing target/debug to build afresh" >&2
+    echo "tests/run.sh: only ${free_gib} GiB free on ${mount}; removing target/debug to build afresh" >&2
     rm -rf target/debug
 fi
 cargo fmt --all -- --check

@@ -618,7 +618,7 @@ impl PartitionStore {
             // Only running tasks give memory back. With every other one waiting too (or none
             // running), waiting cannot help: the newest waiter gives way, the others go on.
             let other_waiters = inner.waiters.len() - 1;
-            let newest = inner.waiters.last_key_value().map(|(t, _)| *t) == Some(mine);
+            let newest = inner.waiters.keys().next_back() == Some(&mine);
             if other_waiters >= others && newest {
                 let since = *stuck_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= DEADLOCK_GRACE {

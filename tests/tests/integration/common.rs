@@ -85,6 +85,17 @@ pub fn wrk() -> PathBuf {
     target_dir().join("debug").join("wrk")
 }
 
+/// Whether this machine has a usable GPU; with `WRK_REQUIRE_GPU=1` it must have one.
+pub fn has_gpu() -> bool {
+    let found = wrk_host::gpu::detect::probe(0);
+    if std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1")
+        && let Err(reason) = &found
+    {
+        panic!("WRK_REQUIRE_GPU=1 but no GPU can be used: {reason}");
+    }
+    found.is_ok()
+}
+
 /// A deterministic taxi dataset in a temporary directory.
 pub fn taxi_dataset(rows: u64, files: u32, row_group_rows: usize) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");

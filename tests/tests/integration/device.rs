@@ -5,18 +5,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::common::{Processes, start_scheduler, wait_for_workers, worker_command, wrk};
-
-/// Whether this machine has a usable GPU; with `WRK_REQUIRE_GPU=1` it must have one.
-fn has_gpu() -> bool {
-    let found = wrk_host::gpu::detect::probe(0);
-    if std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1")
-        && let Err(reason) = &found
-    {
-        panic!("WRK_REQUIRE_GPU=1 but no GPU can be used: {reason}");
-    }
-    found.is_ok()
-}
+use crate::common::{Processes, has_gpu, start_scheduler, wait_for_workers, worker_command, wrk};
 
 /// Runs `wrk worker` with `args` and `env` against an address nothing listens on; returns its
 /// exit status and stderr once it exits (a worker that starts keeps retrying the scheduler).
@@ -82,15 +71,12 @@ fn auto_and_cpu_workers_register_with_their_device() {
     let scheduler = start_scheduler(&mut processes, &["--heartbeat-ms", "100"], &[]);
     // The emulated GPU runs the GPU start-up (kernels, pool, self-test against the CPU
     // backend) on the CUDA emulator; it needs a C++ compiler.
-    let emulated = Command::new("c++")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
+    let emulated = wrk_host::gpu::emulator::compiler_present();
     let mut workers = vec![("auto-worker", "auto"), ("cpu-worker", "cpu")];
     if emulated {
         workers.push(("emulated-worker", "emulated-gpu"));
     } else {
-        println!("SKIPPED the emulated-gpu worker: no C++ compiler (`c++`)");
+        println!("SKIPPED the emulated-gpu worker: no C++ compiler (`c++` or $CXX)");
     }
     for (id, device) in &workers {
         let child = worker_command(&scheduler.url, id, &["--device", device])

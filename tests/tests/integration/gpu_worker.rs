@@ -116,25 +116,15 @@ fn assert_same_rows(what: &str, device: &RecordBatch, cpu: &RecordBatch) {
 /// `gpu:0` where a GPU can be used, else `emulated-gpu` where a C++ compiler can build the
 /// emulator's kernels, else `None` (with the reason printed).
 fn gpu_device() -> Option<&'static str> {
-    let found = wrk_host::gpu::detect::probe(0);
-    if found.is_ok() {
-        return Some("gpu:0");
-    }
-    if std::env::var("WRK_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        panic!(
-            "WRK_REQUIRE_GPU=1 but no GPU can be used: {:?}",
-            found.err()
-        );
-    }
-    let compiler = Command::new("c++")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if compiler {
+    if has_gpu() {
+        Some("gpu:0")
+    } else if wrk_host::gpu::emulator::compiler_present() {
         println!("no CUDA device found: the jobs run on the CUDA emulator (host CPU)");
         Some("emulated-gpu")
     } else {
-        println!("SKIPPED jobs on a GPU worker: no CUDA device and no C++ compiler (`c++`)");
+        println!(
+            "SKIPPED jobs on a GPU worker: no CUDA device and no C++ compiler (`c++` or $CXX)"
+        );
         None
     }
 }
