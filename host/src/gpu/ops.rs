@@ -424,23 +424,45 @@ pub fn hash_partition(
             ],
         )?;
     }
-    let flags = alloc(runtime, n, 4)?;
+    // Each row's partition, and each partition's row count.
+    let words = alloc(runtime, n, 8)?;
+    let counts = filled_u32(runtime, partitions as usize, 0)?;
+    run(
+        runtime,
+        "wrk_partition_of",
+        n,
+        &[
+            Arg::Buf(&hashes),
+            Arg::U64(u64::from(partitions)),
+            Arg::Buf(&words),
+            Arg::Buf(&counts),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    let counts = to_host(runtime, &counts, partitions as usize * 4)?;
+    // The row indices by partition (stable: a partition keeps the input's row order), then
+    // each partition's rows gathered from its run of them: one pass over the data in all.
+    let order = radix_sort(runtime, &words, iota(runtime, 0, n)?, n)?;
     let mut parts = Vec::with_capacity(partitions as usize);
-    for part in 0..partitions {
+    let mut start = 0u32;
+    for count in counts.chunks_exact(4) {
+        let count = u32::from_le_bytes([count[0], count[1], count[2], count[3]]);
+        let rows = count as usize;
+        let positions = iota(runtime, start, rows)?;
+        let indices = alloc(runtime, rows, 4)?;
         run(
             runtime,
-            "wrk_partition_flags",
-            n,
+            "wrk_gather_4",
+            rows,
             &[
-                Arg::Buf(&hashes),
-                Arg::U64(u64::from(partitions)),
-                Arg::U64(u64::from(part)),
-                Arg::Buf(&flags),
-                Arg::I64(n as i64),
+                Arg::Buf(&order),
+                Arg::Buf(&positions),
+                Arg::Buf(&indices),
+                Arg::I64(rows as i64),
             ],
         )?;
-        let (indices, m) = selected_rows(runtime, &flags, n)?;
-        parts.push(gather_table(runtime, table, &indices, m)?);
+        parts.push(gather_table(runtime, table, &indices, rows)?);
+        start += count;
     }
     Ok(parts)
 }

@@ -235,15 +235,30 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
     let h = cpu::ops::filter(table, &predicate).map_err(|e| failed("filter")(e.to_string()))?;
     compare("filter", &d, &h, 0.0)?;
 
-    // Hash-partition on an int and a string key.
+    // Hash-partition on an int and a string key, into a few partitions and into many (some
+    // of them empty).
     let keys = ["k".to_string(), "s".to_string()];
-    let d = ops::hash_partition(runtime, &device, &keys, 5)
-        .map_err(|e| failed("hash-partition")(e.to_string()))?;
-    let h = cpu::partition::hash_partition(table, &keys, 5)
-        .map_err(|e| failed("hash-partition")(e.to_string()))?;
-    for (p, (d, h)) in d.iter().zip(&h).enumerate() {
-        let d = download(runtime, d).map_err(|e| failed("hash-partition")(e.to_string()))?;
-        compare(&format!("hash-partition part {p}"), &d, h, 0.0)?;
+    for partitions in [5, 64] {
+        let d = ops::hash_partition(runtime, &device, &keys, partitions)
+            .map_err(|e| failed("hash-partition")(e.to_string()))?;
+        let h = cpu::partition::hash_partition(table, &keys, partitions)
+            .map_err(|e| failed("hash-partition")(e.to_string()))?;
+        if d.len() != h.len() {
+            return Err(failed("hash-partition")(format!(
+                "{} partitions, the CPU backend made {}",
+                d.len(),
+                h.len()
+            )));
+        }
+        for (p, (d, h)) in d.iter().zip(&h).enumerate() {
+            let d = download(runtime, d).map_err(|e| failed("hash-partition")(e.to_string()))?;
+            compare(
+                &format!("hash-partition part {p} of {partitions}"),
+                &d,
+                h,
+                0.0,
+            )?;
+        }
     }
 
     // Group-by with every aggregate the kernels have.

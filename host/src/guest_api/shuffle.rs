@@ -4,9 +4,12 @@
 use wasmtime::component::Resource;
 
 use super::bindings::wrk::task::shuffle::{Host, HostPieces};
+use super::dispatch::{DeviceOp, Placed};
 use super::wit::{Error, ErrorCode};
 use super::{TaskState, TaskTable, error};
 use crate::cpu::partition;
+use crate::gpu::ops as gpu_ops;
+use crate::gpu::table::download;
 use crate::shuffle::pieces::PieceError;
 use crate::shuffle::{PieceStream, ShuffleError, TaskShuffle};
 use crate::table::Table;
@@ -54,28 +57,50 @@ impl Host for TaskState {
         data: Resource<TaskTable>,
         keys: Vec<String>,
     ) -> wasmtime::Result<Result<(), Error>> {
-        let table = match self.host_input(&data, "shuffle.send")? {
-            Ok(table) => table,
-            Err(e) => return Ok(Err(e)),
-        };
-        let shuffle = match self.shuffle() {
-            Ok(shuffle) => shuffle,
-            Err(e) => return Ok(Err(e)),
-        };
-        let partitions = match shuffle.partitions(&exchange) {
+        let partitions = match self
+            .shuffle()
+            .and_then(|s| s.partitions(&exchange).map_err(shuffle_error))
+        {
             Ok(n) => n,
-            Err(e) => return Ok(Err(shuffle_error(e))),
+            Err(e) => return Ok(Err(e)),
         };
-        let parts = match partition::hash_partition(table.batch(), &keys, partitions) {
-            Ok(parts) => parts.into_iter().map(Table::new).collect(),
-            Err(e) => {
-                return Ok(Err(error(
+        // A table on the device is partitioned there, and the pieces come to host memory
+        // (counted) for the exchange; one in host memory is partitioned there, not uploaded.
+        let on_device = matches!(self.table.get(&data)?, TaskTable::Device(t) if t.on_device());
+        let device: DeviceOp<_> = &|gpu, t| gpu_ops::hash_partition(gpu, t[0], &keys, partitions);
+        let device = on_device.then_some(device);
+        let placed = self.run_on_device_or_host("shuffle.send", &[&data], device, |t| {
+            partition::hash_partition(t[0].batch(), &keys, partitions).map_err(|e| {
+                error(
                     ErrorCode::InvalidArgument,
                     format!("shuffle.send to exchange `{exchange}`: {e}"),
-                )));
+                )
+            })
+        })?;
+        let parts: Vec<Table> = match placed {
+            Ok(Placed::Device(gpu, parts)) => {
+                let mut tables = Vec::with_capacity(parts.len());
+                for part in &parts {
+                    match download(&gpu, part) {
+                        Ok(batch) => tables.push(Table::new(batch)),
+                        Err(e) => {
+                            return Ok(Err(error(
+                                ErrorCode::Internal,
+                                format!(
+                                    "shuffle.send to exchange `{exchange}`: copying a partition from the device failed: {e}"
+                                ),
+                            )));
+                        }
+                    }
+                }
+                tables
             }
+            Ok(Placed::Host(parts)) => parts.into_iter().map(Table::new).collect(),
+            Err(e) => return Ok(Err(e)),
         };
-        Ok(shuffle.send(&exchange, parts).map_err(shuffle_error))
+        Ok(self
+            .shuffle()
+            .and_then(|s| s.send(&exchange, parts).map_err(shuffle_error)))
     }
 
     fn send_partitions(

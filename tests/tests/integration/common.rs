@@ -33,6 +33,26 @@ fn cargo() -> Command {
         .env_remove("RUSTFLAGS")
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
         .current_dir(workspace_root());
+    // Nor the variables cargo sets for this test (its package, manifest and output folders):
+    // build scripts that watch them (ring's does) would run again, and the outer build would
+    // then rebuild what depends on them, every run.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_for_this_test = name == "OUT_DIR"
+            || [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+                "CARGO_TARGET_TMPDIR",
+            ]
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+            || name == "CARGO_PRIMARY_PACKAGE";
+        if set_for_this_test {
+            command.env_remove(name.as_ref());
+        }
+    }
     command
 }
 

@@ -113,6 +113,13 @@ fn assert_same_rows(what: &str, device: &RecordBatch, cpu: &RecordBatch) {
     }
 }
 
+/// The rows of `batch` in ascending order of `column`.
+fn sorted_by(batch: &RecordBatch, column: &str) -> RecordBatch {
+    let order =
+        arrow::compute::sort_to_indices(batch.column_by_name(column).unwrap(), None, None).unwrap();
+    arrow::compute::take_record_batch(batch, &order).unwrap()
+}
+
 /// `gpu:0` where a GPU can be used, else `emulated-gpu` where a C++ compiler can build the
 /// emulator's kernels, else `None` (with the reason printed).
 fn gpu_device() -> Option<&'static str> {
@@ -134,7 +141,13 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
     let Some(device) = gpu_device() else {
         return;
     };
-    for example in ["taxi-haversine", "fare-stats", "zone-join", "top-fares"] {
+    for example in [
+        "taxi-haversine",
+        "fare-stats",
+        "zone-join",
+        "top-fares",
+        "shuffle-groupby",
+    ] {
         let _ = guest(example);
     }
     let data = taxi_dataset(50_000, 2, 10_000);
@@ -224,11 +237,24 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
         assert!(on_cpu.num_rows() > 0, "{example}");
         assert_same_rows(example, &on_device, &on_cpu);
     }
+    // A shuffle: each `partial` task's group-by result, on the device, is hash-partitioned
+    // there and its pieces come down for the exchange. The reducers see the pieces in the
+    // order they arrive, so the rows are compared in driver order.
+    let sources = [("trips", trips.as_path())];
+    let on_device = read(&submit("shuffle-groupby", &sources, Some(&url), out.path()));
+    let on_cpu = read(&submit("shuffle-groupby", &sources, None, out.path()));
+    assert!(on_cpu.num_rows() > 1_000, "one row per driver");
+    assert_same_rows(
+        "shuffle-groupby",
+        &sorted_by(&on_device, "driver_id"),
+        &sorted_by(&on_cpu, "driver_id"),
+    );
     let after = scrape();
     let ran = |operator, on| operators(&after, operator, on) - operators(&taxi, operator, on);
     assert!(ran("group-by", "host") >= 3.0, "{after}");
     assert!(ran("join", "device") >= 2.0, "{after}");
     assert!(ran("top-k", "device") >= 2.0, "{after}");
+    assert_eq!(ran("shuffle.send", "device"), 2.0, "{after}");
 
     // The tasks' device tables were freed when they ended (the gauge follows the heartbeats).
     let waited = Instant::now();

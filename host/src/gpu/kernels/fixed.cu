@@ -172,10 +172,14 @@ extern "C" __global__ void wrk_hash_str(const int* offsets, const wrk_u8* bytes,
     }
 }
 
-// flags[i] = 1 where row i goes to partition `part` of `parts`.
-extern "C" __global__ void wrk_partition_flags(const wrk_u64* hashes, wrk_u64 parts, wrk_u64 part,
-                                               wrk_u32* flags, wrk_i64 n) {
-    WRK_ROWS(i, n) { flags[i] = (hashes[i] % parts) == part ? 1u : 0u; }
+// Row i's partition of `parts` (as a word to sort by), counted in `counts`.
+extern "C" __global__ void wrk_partition_of(const wrk_u64* hashes, wrk_u64 parts, wrk_u64* words,
+                                            wrk_u32* counts, wrk_i64 n) {
+    WRK_ROWS(i, n) {
+        wrk_u64 part = hashes[i] % parts;
+        words[i] = part;
+        atomicAdd(&counts[part], 1u);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
