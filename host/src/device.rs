@@ -194,6 +194,9 @@ impl WorkerDevice {
         let WorkerDevice::Gpu(gpu) = self else {
             return None;
         };
+        // Before the pool: a reader who sees the pool's use settle sees these counters too.
+        gpu.metrics
+            .observe_join_indexes(&gpu.runtime.join_indexes.stats());
         let pool = gpu.runtime.pool.stats();
         gpu.metrics.observe_pool(&pool);
         let mut sample = match &gpu.telemetry {

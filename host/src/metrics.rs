@@ -317,6 +317,17 @@ impl WorkerMetrics {
                 )
                 .unwrap_or_else(|e| panic!("{e}")),
             ),
+            device_join_indexes: register(
+                target,
+                IntCounterVec::new(
+                    opts(
+                        "device_join_indexes_total",
+                        "Device join indexes on broadcast tables, by outcome: built, or reused from the worker's cache",
+                    ),
+                    &["outcome"],
+                )
+                .unwrap_or_else(|e| panic!("{e}")),
+            ),
             operators: DeviceOperatorMetrics(register(
                 target,
                 IntCounterVec::new(
@@ -444,6 +455,7 @@ pub struct GpuMetrics {
     device_pool_peak_bytes: IntGaugeVec,
     device_pool_evictions: IntCounterVec,
     device_pool_evicted_bytes: IntCounterVec,
+    device_join_indexes: IntCounterVec,
     pub operators: DeviceOperatorMetrics,
     pub transfers: DeviceTransferMetrics,
 }
@@ -506,6 +518,14 @@ impl GpuMetrics {
         };
         advance(&self.device_pool_evictions, stats.evictions);
         advance(&self.device_pool_evicted_bytes, stats.evicted_bytes);
+    }
+
+    /// Updates the join index counters from the cache's totals.
+    pub fn observe_join_indexes(&self, stats: &crate::gpu::join_index::JoinIndexStats) {
+        for (outcome, total) in [("built", stats.builds), ("reused", stats.hits)] {
+            let counter = self.device_join_indexes.with_label_values(&[outcome]);
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
     }
 }
 
@@ -586,6 +606,11 @@ mod tests {
         });
         gpu.transfers.record("to_device", 4096);
         gpu.transfers.record("to_device", 4096);
+        gpu.observe_join_indexes(&crate::gpu::join_index::JoinIndexStats {
+            hits: 7,
+            builds: 2,
+            ..Default::default()
+        });
         let text = metrics.render();
         for line in [
             r#"wrk_gpu_memory_used_bytes{gpu="1"} 5368709120"#,
@@ -598,6 +623,8 @@ mod tests {
             "wrk_worker_device_pool_evicted_bytes_total 5242880",
             r#"wrk_worker_device_transfer_bytes_total{direction="to_device"} 8192"#,
             r#"wrk_worker_device_transfers_total{direction="to_device"} 2"#,
+            r#"wrk_worker_device_join_indexes_total{outcome="built"} 2"#,
+            r#"wrk_worker_device_join_indexes_total{outcome="reused"} 7"#,
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }

@@ -25,6 +25,8 @@ use wrk_proto::{
 
 use crate::device::{DeviceConfig, DeviceError, WorkerDevice};
 use crate::engine::{CompiledTask, EngineConfig, EngineError, TaskEngine, TaskLimits};
+use crate::gpu::GpuRuntime;
+use crate::gpu::resident::ResidentTable;
 use crate::guest_api::{TaskInfo, TaskTable, WIT_VERSION};
 use crate::memory::spill::{SpillDir, SpillError};
 use crate::metrics::WorkerMetrics;
@@ -112,8 +114,9 @@ pub enum WorkerError {
     Slots(std::io::Error),
 }
 
-/// A broadcast table, fetched once per worker and shared by the tasks that read it.
-type BroadcastCell = Arc<tokio::sync::OnceCell<Table>>;
+/// A broadcast table, fetched once per worker and shared by the tasks that read it (on a GPU
+/// worker, uploaded once to the device).
+type BroadcastCell = Arc<tokio::sync::OnceCell<TaskTable>>;
 
 /// What every task of this worker shares.
 struct Shared {
@@ -134,7 +137,7 @@ struct Shared {
     queue: SlotQueue<Assigned>,
     running: std::sync::atomic::AtomicU32,
     /// The GPU the tasks' operators run on, if the worker has one.
-    gpu: Option<Arc<crate::gpu::GpuRuntime>>,
+    gpu: Option<Arc<GpuRuntime>>,
 }
 
 /// A task assigned to this worker and the flag that cancels it.
@@ -410,7 +413,10 @@ pub async fn run_retirable(
                             broadcasts.retain(|(job, _), _| *job != release.job_id);
                         }
                         // Join indexes on the job's broadcast tables go with them.
-                        let indexes = shared.store.build_cache().purge_dropped();
+                        let mut indexes = shared.store.build_cache().purge_dropped();
+                        if let Some(gpu) = &shared.gpu {
+                            indexes += gpu.join_indexes.purge_dropped();
+                        }
                         tracing::debug!(job = %release.job_id, dropped, exchanges, indexes, "released job partitions");
                     }
                     Some(FromScheduler::ReleaseTasks(release)) => {
@@ -855,9 +861,7 @@ async fn load_input(
             Ok(table.into())
         }
         Some(InputKind::Partition(location)) => load_partition(shared, location, memory).await,
-        Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast, memory)
-            .await
-            .map(TaskTable::from),
+        Some(InputKind::Broadcast(broadcast)) => load_broadcast(shared, broadcast, memory).await,
         None => Err(Failure::fatal("a task input has no kind")),
     }
 }
@@ -935,12 +939,13 @@ async fn load_partition(
 
 /// A broadcast input: the first task of the worker to need it fetches and concatenates the
 /// stage's outputs; the others wait for that and share the table (marked shared, so that a
-/// join builds its hash index on it once per worker).
+/// join builds its hash index on it once per worker). On a GPU worker the table goes to the
+/// device once, and the tasks' device operators share that copy.
 async fn load_broadcast(
     shared: &Arc<Shared>,
     broadcast: &wrk_proto::BroadcastInput,
     memory: &Arc<TaskMemory>,
-) -> Result<Table, Failure> {
+) -> Result<TaskTable, Failure> {
     let job_id = broadcast
         .partitions
         .first()
@@ -972,22 +977,43 @@ async fn load_broadcast(
                 broadcast.stage
             )));
         };
-        if tables.len() == 1 {
-            return Ok(first.clone().into_shared());
-        }
-        let batches: Vec<&arrow::record_batch::RecordBatch> =
-            tables.iter().map(Table::batch).collect();
-        crate::cpu::ops::concat(&batches)
-            .map(|batch| Table::new(batch).into_shared())
-            .map_err(|e| {
-                Failure::fatal(format!(
-                    "broadcast input from stage #{}: its outputs do not concatenate: {e}",
-                    broadcast.stage
-                ))
-            })
+        let table = if tables.len() == 1 {
+            first.clone().into_shared()
+        } else {
+            let batches: Vec<&arrow::record_batch::RecordBatch> =
+                tables.iter().map(Table::batch).collect();
+            crate::cpu::ops::concat(&batches)
+                .map(|batch| Table::new(batch).into_shared())
+                .map_err(|e| {
+                    Failure::fatal(format!(
+                        "broadcast input from stage #{}: its outputs do not concatenate: {e}",
+                        broadcast.stage
+                    ))
+                })?
+        };
+        Ok(on_the_device(shared.gpu.as_ref(), table, broadcast.stage))
     })
     .await
     .cloned()
+}
+
+/// A shared table on the worker's GPU (one counted upload, keeping the table as its host
+/// copy), or in host memory without a GPU, when the device has no layout for its columns, or
+/// when the device pool has no room.
+fn on_the_device(gpu: Option<&Arc<GpuRuntime>>, table: Table, stage: u32) -> TaskTable {
+    let Some(gpu) = gpu else {
+        return table.into();
+    };
+    if !crate::gpu::table::uploadable(&table.schema()) {
+        return table.into();
+    }
+    match ResidentTable::upload(gpu, table.clone(), None) {
+        Ok(resident) => TaskTable::Device(resident),
+        Err(e) => {
+            tracing::debug!(stage, "a broadcast table stays in host memory: {e}");
+            table.into()
+        }
+    }
 }
 
 #[cfg(test)]

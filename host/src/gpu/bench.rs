@@ -161,6 +161,7 @@ fn device_operator_benchmark() {
             &on,
             &on,
             JoinType::Inner,
+            false,
         )
         .unwrap();
         sync(&runtime);

@@ -12,6 +12,7 @@
 //! - [`table`]: columns in device memory; counted host<->device transfers.
 //! - [`exec`]: kernel launches, prefix sums, compaction, gathers and the radix sort.
 //! - [`ops`]: filter, hash-partition, group-by, join, sort and concat on device tables.
+//! - [`join_index`]: a join's build side, and the cache of those built on broadcast tables.
 //! - [`resident`]: the device tables of running tasks, spilled to host memory when the pool
 //!   needs room and uploaded again when next used.
 //! - [`selftest`]: every device operator checked against the CPU backend; a worker runs it at
@@ -26,6 +27,7 @@ mod bench;
 pub mod detect;
 pub mod emulator;
 pub mod exec;
+pub mod join_index;
 pub mod kernels;
 pub mod nvml;
 pub mod ops;
@@ -185,6 +187,8 @@ pub struct GpuRuntime {
     pub pool: DevicePool,
     pub kernels: KernelCache,
     pub resident: resident::Residents,
+    /// Join indexes on the tables the worker's tasks share (broadcast inputs).
+    pub join_indexes: join_index::JoinIndexCache,
     pub transfers: Transfers,
     pub operators: OperatorCounts,
 }
@@ -262,6 +266,7 @@ impl GpuRuntime {
             pool,
             kernels,
             resident: resident::Residents::default(),
+            join_indexes: join_index::JoinIndexCache::default(),
             transfers: counters.transfers,
             operators: counters.operators,
         });

@@ -29,6 +29,7 @@ use super::exec::{
     self, Arg, ExecError, NONE, alloc, check_rows, filled_u8, filled_u32, filled_u64,
     gather_column, gather_table, iota, radix_sort, run, selected_rows,
 };
+use super::join_index::JoinIndex;
 use super::kernels::fused::{self, CodegenError, LiteralArg};
 use super::table::{DeviceColumn, DeviceTable, TableError, to_host, value_width};
 use crate::cpu::join::JoinType;
@@ -593,7 +594,7 @@ fn equality_words(
 }
 
 /// A power-of-two hash table size with room for `entries` at half load.
-fn table_capacity(entries: usize) -> usize {
+pub(super) fn table_capacity(entries: usize) -> usize {
     (entries * 2).max(16).next_power_of_two()
 }
 
@@ -893,7 +894,9 @@ fn joinable(left: &DataType, right: &DataType) -> bool {
         || (left.is_floating() && right.is_floating())
 }
 
-/// Joins `left` with `right` on `left_on = right_on` (one key each).
+/// Joins `left` with `right` on `left_on = right_on` (one key each). The index is built on
+/// `right`; with `cache_index` (a table the worker's tasks share) it comes from, or goes to,
+/// the worker's cache (`join_index`).
 pub fn join(
     runtime: &GpuRuntime,
     left: &DeviceTable,
@@ -901,6 +904,7 @@ pub fn join(
     left_on: &[String],
     right_on: &[String],
     how: JoinType,
+    cache_index: bool,
 ) -> Result<DeviceTable, GpuOpError> {
     const OP: &str = "join";
     let ([left_key], [right_key]) = (left_on, right_on) else {
@@ -926,82 +930,17 @@ pub fn join(
             ),
         });
     }
-    let (n, b_all) = (left.rows, right.rows);
+    let n = left.rows;
     check_rows(n)?;
-    check_rows(b_all)?;
+    check_rows(right.rows)?;
     let left_words = equality_words(runtime, lk, OP)?;
-    let right_words = equality_words(runtime, rk, OP)?;
-    // Build: the right table's valid rows, sorted by word (stable), in runs of equal keys.
-    let valid_flags = alloc(runtime, b_all, 4)?;
-    run(
-        runtime,
-        "wrk_valid_flags",
-        b_all,
-        &[
-            Arg::Opt(rk.validity.as_ref()),
-            Arg::Buf(&valid_flags),
-            Arg::I64(b_all as i64),
-        ],
-    )?;
-    let (build_rows, b) = selected_rows(runtime, &valid_flags, b_all)?;
-    let build_words = alloc(runtime, b, 8)?;
-    run(
-        runtime,
-        "wrk_gather_8",
-        b,
-        &[
-            Arg::Buf(&right_words),
-            Arg::Buf(&build_rows),
-            Arg::Buf(&build_words),
-            Arg::I64(b as i64),
-        ],
-    )?;
-    let order = radix_sort(runtime, &build_words, iota(runtime, 0, b)?, b)?;
-    let build_order = alloc(runtime, b, 4)?;
-    run(
-        runtime,
-        "wrk_gather_4",
-        b,
-        &[
-            Arg::Buf(&build_rows),
-            Arg::Buf(&order),
-            Arg::Buf(&build_order),
-            Arg::I64(b as i64),
-        ],
-    )?;
-    let run_flags = alloc(runtime, b, 4)?;
-    run(
-        runtime,
-        "wrk_run_starts",
-        b,
-        &[
-            Arg::Buf(&build_words),
-            Arg::Buf(&order),
-            Arg::Buf(&run_flags),
-            Arg::I64(b as i64),
-        ],
-    )?;
-    let (run_starts, runs) = selected_rows(runtime, &run_flags, b)?;
-    let capacity = table_capacity(runs);
-    let slot_words = alloc(runtime, capacity, 8)?;
-    let slot_run = alloc(runtime, capacity, 4)?;
-    let slot_state = filled_u32(runtime, capacity, 0)?;
-    let mask = Arg::U64(capacity as u64 - 1);
-    run(
-        runtime,
-        "wrk_join_build",
-        runs,
-        &[
-            Arg::Buf(&build_words),
-            Arg::Buf(&order),
-            Arg::Buf(&run_starts),
-            Arg::Buf(&slot_words),
-            Arg::Buf(&slot_run),
-            Arg::Buf(&slot_state),
-            mask,
-            Arg::I64(runs as i64),
-        ],
-    )?;
+    let build = || JoinIndex::build(runtime, rk, &equality_words(runtime, rk, OP)?);
+    let index = if cache_index {
+        let key = &right.columns[column_index(right, OP, right_key)?];
+        runtime.join_indexes.get_or_build(key, build)?
+    } else {
+        Arc::new(build()?)
+    };
     // Probe with every left row.
     let match_start = alloc(runtime, n, 4)?;
     let match_count = alloc(runtime, n, 4)?;
@@ -1012,13 +951,13 @@ pub fn join(
         &[
             Arg::Buf(&left_words),
             Arg::Opt(lk.validity.as_ref()),
-            Arg::Buf(&slot_words),
-            Arg::Buf(&slot_run),
-            Arg::Buf(&slot_state),
-            mask,
-            Arg::Buf(&run_starts),
-            Arg::U64(runs as u64),
-            Arg::U32(b as u32),
+            Arg::Buf(&index.slot_words),
+            Arg::Buf(&index.slot_run),
+            Arg::Buf(&index.slot_state),
+            Arg::U64(index.capacity as u64 - 1),
+            Arg::Buf(&index.run_starts),
+            Arg::U64(index.runs as u64),
+            Arg::U32(index.valid_rows as u32),
             Arg::Buf(&match_start),
             Arg::Buf(&match_count),
             Arg::I64(n as i64),
@@ -1065,7 +1004,7 @@ pub fn join(
             Arg::Buf(&match_start),
             Arg::Buf(&match_count),
             Arg::Buf(&out_pos),
-            Arg::Buf(&build_order),
+            Arg::Buf(&index.build_order),
             Arg::I32(keep_unmatched),
             Arg::Buf(&probe_rows),
             Arg::Buf(&build_out),

@@ -66,6 +66,9 @@ pub struct ResidentTable {
     /// The account host copies are claimed by: the task's, or the store's once the table is
     /// a stored partition.
     owner: Mutex<Option<Arc<Account>>>,
+    /// Whether the worker's tasks share it (uploaded from a shared table: a broadcast input),
+    /// so that a join caches its index on it.
+    shared: bool,
 }
 
 impl ResidentTable {
@@ -76,6 +79,7 @@ impl ResidentTable {
         host: Option<Table>,
         owner: Option<Arc<Account>>,
     ) -> Arc<Self> {
+        let shared = host.as_ref().is_some_and(Table::is_shared);
         let resident = Arc::new(ResidentTable {
             runtime: runtime.clone(),
             schema: table.schema.clone(),
@@ -86,6 +90,7 @@ impl ResidentTable {
             }),
             last_used: AtomicU64::new(runtime.resident.tick()),
             owner: Mutex::new(owner),
+            shared,
         });
         runtime.resident.register(&resident);
         resident
@@ -113,6 +118,11 @@ impl ResidentTable {
 
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// Whether the worker's tasks share it (see [`Table::is_shared`]).
+    pub fn is_shared(&self) -> bool {
+        self.shared
     }
 
     /// Whether the table is in device memory now (not spilled).
@@ -289,6 +299,14 @@ impl EvictionHook for Spiller {
         };
         let used = || runtime.pool.stats().used;
         let before = used();
+        // Cached join indexes go first: rebuilding one costs less than moving a table.
+        let indexes = runtime.join_indexes.clear();
+        if indexes > 0 {
+            tracing::debug!(indexes, "dropped the cached join indexes");
+            if before.saturating_sub(used()) >= needed_bytes {
+                return before.saturating_sub(used());
+            }
+        }
         for table in runtime.resident.spill_order() {
             match table.try_spill() {
                 Ok(true) => {

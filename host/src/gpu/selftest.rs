@@ -348,21 +348,28 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
     // Joins with the (smaller) dimension table: the CPU builds on it too, so orders agree.
     let dimension = dimension_table();
     let dim = upload(runtime, &dimension).map_err(|e| failed("join")(e.to_string()))?;
+    // Each kind with an index of its own, then with the one the worker's cache keeps for a
+    // shared table (built by the first join, probed by the others).
     let on = ["k".to_string()];
-    for how in [
-        JoinType::Inner,
-        JoinType::Left,
-        JoinType::Semi,
-        JoinType::Anti,
-    ] {
-        let operator = format!("{how:?} join");
-        let d = ops::join(runtime, &device, &dim, &on, &on, how)
-            .and_then(|t| Ok(download(runtime, &t)?))
-            .map_err(|e| failed(&operator)(e.to_string()))?;
-        let h = cpu::join::join(table, &dimension, &on, &on, how)
-            .map_err(|e| failed(&operator)(e.to_string()))?;
-        compare(&operator, &d, &h, 0.0)?;
+    for cache_index in [false, true] {
+        for how in [
+            JoinType::Inner,
+            JoinType::Left,
+            JoinType::Semi,
+            JoinType::Anti,
+        ] {
+            let operator = format!("{how:?} join (cached index: {cache_index})");
+            let d = ops::join(runtime, &device, &dim, &on, &on, how, cache_index)
+                .and_then(|t| Ok(download(runtime, &t)?))
+                .map_err(|e| failed(&operator)(e.to_string()))?;
+            let h = cpu::join::join(table, &dimension, &on, &on, how)
+                .map_err(|e| failed(&operator)(e.to_string()))?;
+            compare(&operator, &d, &h, 0.0)?;
+        }
     }
+    // The dimension table goes: so does its cached index.
+    drop(dim);
+    runtime.join_indexes.purge_dropped();
 
     // Concat of the table with itself.
     let d = ops::concat(runtime, &[&device, &device])
@@ -429,6 +436,10 @@ mod tests {
             compare_all(&runtime, &sample_table(rows))
                 .unwrap_or_else(|e| panic!("{rows} rows: {e}"));
         }
+        // Per size: one index built for the cached joins, probed by the other three.
+        let joins = runtime.join_indexes.stats();
+        assert_eq!((joins.builds, joins.hits), (5, 15), "{joins:?}");
+        assert_eq!(joins.entries, 0, "the dimension table's index went with it");
         let stats = runtime.pool.stats();
         assert_eq!(stats.used, 0, "every device buffer went back to the pool");
         assert!(stats.peak > 0);

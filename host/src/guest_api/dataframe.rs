@@ -649,14 +649,19 @@ impl HostTable for TaskState {
             JoinType::Semi => join::JoinType::Semi,
             JoinType::Anti => join::JoinType::Anti,
         };
-        let device: DeviceOp = &|gpu, t| gpu_ops::join(gpu, t[0], t[1], &left_on, &right_on, how);
+        // A table every task of the worker shares is built on once: its index is cached.
+        let right_shared = match self.table.get(&right)? {
+            TaskTable::Host(table) => table.is_shared(),
+            TaskTable::Device(table) => table.is_shared(),
+        };
+        let device: DeviceOp =
+            &|gpu, t| gpu_ops::join(gpu, t[0], t[1], &left_on, &right_on, how, right_shared);
         let covered = self.device_covers(&[&self_, &right], |s| {
             gpu_ops::join_covers(&s[0], &s[1], &left_on, &right_on)
         })?;
         let cache = self.memory.store().clone();
         self.table_op("join", &[&self_, &right], covered.then_some(device), |t| {
             let (left, right) = (&t[0], &t[1]);
-            // A table every task of the worker shares is built on, once: its index is cached.
             let cache = cache.build_cache();
             let build = if right.is_shared() {
                 join::Build::Shared {

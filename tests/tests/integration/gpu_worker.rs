@@ -256,17 +256,33 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
     assert!(ran("top-k", "device") >= 2.0, "{after}");
     assert_eq!(ran("shuffle.send", "device"), 2.0, "{after}");
 
-    // The tasks' device tables were freed when they ended (the gauge follows the heartbeats).
+    // The tasks' device tables were freed when they ended, and the broadcast table and its
+    // join index when their job was released (the gauge follows the heartbeats).
     let waited = Instant::now();
-    loop {
-        let used = metric_value(&scrape(), "wrk_worker_device_pool_used_bytes");
+    let settled = loop {
+        let text = scrape();
+        let used = metric_value(&text, "wrk_worker_device_pool_used_bytes");
         if used == used_at_start {
-            break;
+            break text;
         }
         assert!(
             waited.elapsed() < Duration::from_secs(20),
             "{used} bytes of the device pool still used after the jobs, {used_at_start} at start"
         );
         std::thread::sleep(Duration::from_millis(200));
-    }
+    };
+    // zone-join's zones went to the device once, for both of its join tasks, each joining
+    // twice (inner, then anti): the first join built the index on them, the other three probed
+    // the same index (an upload per task would have made an index per task).
+    let indexes = |outcome: &str| {
+        metric_value(
+            &settled,
+            &format!(r#"wrk_worker_device_join_indexes_total{{outcome="{outcome}"}}"#),
+        )
+    };
+    assert_eq!(
+        (indexes("built"), indexes("reused")),
+        (1.0, 3.0),
+        "{settled}"
+    );
 }
