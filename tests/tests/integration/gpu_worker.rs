@@ -286,3 +286,74 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
         "{settled}"
     );
 }
+
+#[test]
+fn a_job_larger_than_the_device_pool_gives_the_same_answer() {
+    let Some(device) = gpu_device() else {
+        return;
+    };
+    let _ = guest("taxi-haversine");
+    // Each `distance` task uploads 3 MB of trips (60 bytes a row) and adds its distances next
+    // to them: a 3 MiB pool holds one task's trips, not its distances, nor two tasks at once.
+    let data = taxi_dataset(100_000, 2, 10_000);
+    let mut processes = Processes(Vec::new());
+    let scheduler = start_scheduler(&mut processes, &[], &[]);
+    let url = scheduler.url.clone();
+    processes.0.push(start_worker(
+        &url,
+        "small-gpu-worker",
+        &[
+            "--device",
+            device,
+            "--device-pool-size",
+            "3MiB",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    ));
+    wait_for_workers(&url, 1, None);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let status = runtime
+        .block_on(wrk_cli::client::cluster_status(&url, None))
+        .unwrap();
+    let worker = status.workers[0].clone();
+    assert_eq!(worker.device, device, "the self-test fits the small pool");
+    let scrape = || http_get(&worker.http_address, "/metrics").1;
+    let used_at_start = metric_value(&scrape(), "wrk_worker_device_pool_used_bytes");
+
+    let out = tempfile::tempdir().unwrap();
+    let result = submit(
+        "taxi-haversine",
+        &[("trips", data.path())],
+        Some(&url),
+        out.path(),
+    );
+    assert_summaries_match(&read_summary(&result), &taxi_reference(data.path()));
+    // The pool was full: it asked the spiller for room, which had nothing to give (every
+    // device table was an operator's input, or shared its columns with one), and the
+    // operators that did not fit ran on the CPU backend. The others ran on the device, within
+    // the budget, and everything went back to the pool (the gauges follow the heartbeats).
+    let waited = Instant::now();
+    let text = loop {
+        let text = scrape();
+        if metric_value(&text, "wrk_worker_device_pool_evictions_total") > 0.0
+            && metric_value(&text, "wrk_worker_device_pool_used_bytes") == used_at_start
+        {
+            break text;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(20),
+            "the device pool was never full, or not freed: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        metric_value(&text, "wrk_worker_device_pool_peak_bytes") <= f64::from(3u32 << 20),
+        "{text}"
+    );
+    assert!(operators(&text, "with-columns", "device") >= 1.0, "{text}");
+    assert!(operators(&text, "with-columns", "host") >= 1.0, "{text}");
+}
