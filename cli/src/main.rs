@@ -36,12 +36,14 @@ use clap::{Parser, Subcommand};
 use wrk_cli::job::{self, Overrides};
 use wrk_cli::local::{LocalCluster, LocalClusterConfig};
 use wrk_cli::{client, datasets, output, taxi};
-use wrk_host::device::DeviceConfig;
+use wrk_host::device::{DeviceConfig, WorkerDevice};
 use wrk_host::engine::{EngineConfig, TaskEngine, TaskLimits, module_hash};
+use wrk_host::gpu::DeviceActivity;
 use wrk_host::gpu::detect::DeviceRequest;
 use wrk_host::guest_api::{TaskInfo, TaskTable};
 use wrk_host::memory::size::{self, MachineMemory, SizeSpec};
 use wrk_host::memory::spill::{self as spill, SpillDir};
+use wrk_host::metrics::{WorkerMetrics, compile_cache_counter};
 use wrk_host::shuffle::TransportChoice;
 use wrk_host::store::PartitionStore;
 use wrk_host::table::Table;
@@ -394,6 +396,15 @@ struct RunArgs {
     task_memory_mib: u64,
     #[arg(long, default_value_t = 600.0)]
     task_timeout_secs: f64,
+    /// Where the task's table operators run: `cpu`, `gpu:N`, `auto` (the first GPU, else the
+    /// CPU) or `emulated-gpu` (the GPU backend on the CUDA emulator: for testing, slow). With a
+    /// GPU, a line on stderr says which operators ran on it and what crossed to and from it.
+    #[arg(long, default_value = "cpu")]
+    device: DeviceRequest,
+    /// The device memory pool's size in bytes (`2GiB`); by default 80% of the GPU's free
+    /// memory.
+    #[arg(long)]
+    device_pool_size: Option<SizeSpec>,
 }
 
 fn default_workers() -> usize {
@@ -977,6 +988,17 @@ async fn run_one(args: RunArgs) -> Result<()> {
         .unwrap_or_else(|| args.module.display().to_string());
     let inputs = args.inputs.clone();
     let engine = Arc::new(TaskEngine::new(EngineConfig::default())?);
+    let device = DeviceConfig {
+        request: args.device,
+        pool_bytes: device_pool_bytes(args.device_pool_size)?,
+    };
+    // Starting a GPU compiles its kernels and runs the self-test: off the async threads.
+    let gpu = tokio::task::spawn_blocking(move || {
+        let mut metrics = WorkerMetrics::new(compile_cache_counter());
+        WorkerDevice::start(&device, &mut metrics).map(|device| device.runtime())
+    })
+    .await??;
+    let activity_before = gpu.as_deref().map(DeviceActivity::of);
     let limits = TaskLimits {
         memory_bytes: args.task_memory_mib << 20,
         timeout: Duration::from_secs_f64(args.task_timeout_secs.max(0.01)),
@@ -992,7 +1014,7 @@ async fn run_one(args: RunArgs) -> Result<()> {
         sinks: args.sinks.into_iter().collect(),
         module_name: name.clone(),
         shuffle: None,
-        gpu: None,
+        gpu: gpu.clone(),
     });
     let pool = size::resolve(None, None, MachineMemory::detect()?)?.pool;
     let spill = SpillDir::open(
@@ -1017,7 +1039,7 @@ async fn run_one(args: RunArgs) -> Result<()> {
         Ok(engine.run(&compiled, info, inputs, limits, never_cancelled, memory)?)
     })
     .await??;
-    // A task without a GPU leaves its outputs in host memory: this copies nothing.
+    // Outputs left on the device come down here (counted); host ones are not copied.
     let outputs = run
         .outputs
         .iter()
@@ -1029,6 +1051,14 @@ async fn run_one(args: RunArgs) -> Result<()> {
         run.instantiate,
         run.outputs.len()
     );
+    if let (Some(gpu), Some(before)) = (&gpu, activity_before) {
+        eprintln!(
+            "on GPU {} ({}): {}",
+            gpu.device.ordinal,
+            gpu.device.name,
+            DeviceActivity::of(gpu).since(&before)
+        );
+    }
     match (args.output, outputs.first()) {
         (Some(path), Some(first)) => {
             output::write_parquet(&path, first.batch())?;

@@ -179,6 +179,62 @@ impl DeviceCounters {
     }
 }
 
+/// What a runtime's tasks did with the device up to a moment: operators by where they ran, and
+/// the copies between host and device memory. `wrk run` prints the change over its task.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceActivity {
+    pub operators_on_device: u64,
+    pub operators_on_host: u64,
+    pub uploads: u64,
+    pub uploaded_bytes: u64,
+    pub downloads: u64,
+    pub downloaded_bytes: u64,
+}
+
+impl DeviceActivity {
+    pub fn of(runtime: &GpuRuntime) -> Self {
+        let (operators_on_device, operators_on_host) = runtime.operators.totals();
+        let (uploaded_bytes, uploads) = runtime.transfers.totals(Direction::ToDevice);
+        let (downloaded_bytes, downloads) = runtime.transfers.totals(Direction::ToHost);
+        DeviceActivity {
+            operators_on_device,
+            operators_on_host,
+            uploads,
+            uploaded_bytes,
+            downloads,
+            downloaded_bytes,
+        }
+    }
+
+    /// What happened between `earlier` and this one.
+    pub fn since(&self, earlier: &DeviceActivity) -> DeviceActivity {
+        DeviceActivity {
+            operators_on_device: self.operators_on_device - earlier.operators_on_device,
+            operators_on_host: self.operators_on_host - earlier.operators_on_host,
+            uploads: self.uploads - earlier.uploads,
+            uploaded_bytes: self.uploaded_bytes - earlier.uploaded_bytes,
+            downloads: self.downloads - earlier.downloads,
+            downloaded_bytes: self.downloaded_bytes - earlier.downloaded_bytes,
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceActivity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let size = |bytes: u64| bytesize::ByteSize::b(bytes).display().iec();
+        write!(
+            f,
+            "{} operator(s) on the device, {} on the CPU backend; {} upload(s) ({}), {} download(s) ({})",
+            self.operators_on_device,
+            self.operators_on_host,
+            self.uploads,
+            size(self.uploaded_bytes),
+            self.downloads,
+            size(self.downloaded_bytes)
+        )
+    }
+}
+
 /// A worker's GPU, ready to run operators: its backend (context and stream), memory pool,
 /// kernels, the device tables of running tasks, and counters.
 pub struct GpuRuntime {

@@ -357,3 +357,52 @@ fn a_job_larger_than_the_device_pool_gives_the_same_answer() {
     assert!(operators(&text, "with-columns", "device") >= 1.0, "{text}");
     assert!(operators(&text, "with-columns", "host") >= 1.0, "{text}");
 }
+
+#[test]
+fn wrk_run_on_a_gpu_runs_the_operators_there_and_says_so() {
+    let Some(device) = gpu_device() else {
+        return;
+    };
+    let module = guest("taxi-haversine");
+    let data = taxi_dataset(20_000, 1, 5_000);
+    let input = std::fs::read_dir(data.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let run = |device: &str| {
+        let result = out.path().join(format!("distance-{device}.parquet"));
+        let output = Command::new(wrk())
+            .arg("run")
+            .arg(&module)
+            .arg("--input")
+            .arg(&input)
+            .args(["--stage", "distance", "--device", device, "--output"])
+            .arg(&result)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(
+            output.status.success(),
+            "wrk run --device {device}: {stderr}"
+        );
+        (read(&result), stderr)
+    };
+    let (on_device, said) = run(device);
+    let (on_cpu, said_on_cpu) = run("cpu");
+    assert!(on_cpu.num_rows() > 0);
+    assert_same_rows("wrk run distance", &on_device, &on_cpu);
+    // The distance stage's with-columns (one fused kernel) and group-by ran on the device: the
+    // trips went up once, the result came down once.
+    let line = said
+        .lines()
+        .find(|l| l.starts_with("on GPU 0 ("))
+        .unwrap_or_else(|| panic!("no device line in:\n{said}"));
+    assert!(
+        line.contains("2 operator(s) on the device, 0 on the CPU backend; 1 upload(s)")
+            && line.contains("1 download(s)"),
+        "{line}"
+    );
+    assert!(!said_on_cpu.contains("on GPU"), "{said_on_cpu}");
+}
