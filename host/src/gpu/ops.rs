@@ -5,8 +5,9 @@
 //!   is true (stream compaction by prefix sum, then gathers);
 //! - [`hash_partition`] splits by the pinned partition hash (`cpu/keys.rs`), each part in input
 //!   order;
-//! - [`group_by`] on one fixed-width key: a hash table built with atomics, groups numbered by
-//!   first occurrence, sum/count/mean/min/max with atomics;
+//! - [`group_by`] on fixed-width keys: a hash table built with atomics, groups numbered by
+//!   first occurrence (several keys grouped one at a time, each row's groups so far and its
+//!   next key's group making the next word to group), sum/count/mean/min/max with atomics;
 //! - [`sort`]: stable LSD radix sort of order-preserving key words, any number of fixed-width
 //!   keys, ascending or descending, nulls first or last;
 //! - [`join`] on one fixed-width key pair: inner, left, semi, anti (build on the right table:
@@ -16,9 +17,9 @@
 //! - [`select`], [`with_columns`] (columns shared with the input, not copied), [`slice`] and
 //!   [`top_k`] (a sort, then a slice).
 //!
-//! What a kernel does not cover yet (string keys or several group/join keys, count-distinct,
-//! string expressions, an empty table's aggregate) is refused with [`GpuOpError::Unsupported`]: the caller keeps that
-//! operator on the CPU backend.
+//! What a kernel does not cover yet (string keys, several join keys, count-distinct, string
+//! expressions, an empty table's aggregate) is refused with [`GpuOpError::Unsupported`]: the
+//! caller keeps that operator on the CPU backend.
 
 use std::sync::Arc;
 
@@ -146,15 +147,15 @@ pub fn sort_covers(schema: &Schema, keys: &[SortKey]) -> bool {
     })
 }
 
-/// Whether the kernels cover a group-by of a table of `schema`: one fixed-width key, no
+/// Whether the kernels cover a group-by of a table of `schema`: fixed-width keys, no
 /// count-distinct.
 pub fn group_by_covers(schema: &Schema, keys: &[String], aggregates: &[Aggregate]) -> bool {
-    let [key] = keys else {
-        return false;
-    };
-    schema
-        .field_with_name(key)
-        .is_ok_and(|f| storage_suffix(f.data_type()).is_some())
+    !keys.is_empty()
+        && keys.iter().all(|key| {
+            schema
+                .field_with_name(key)
+                .is_ok_and(|f| storage_suffix(f.data_type()).is_some())
+        })
         && aggregates
             .iter()
             .all(|a| a.function != AggregateFn::CountDistinct)
@@ -598,32 +599,21 @@ pub(super) fn table_capacity(entries: usize) -> usize {
     (entries * 2).max(16).next_power_of_two()
 }
 
-/// Hash group-by on one key column: the key column, then one column per aggregate; groups in
-/// order of first occurrence, nulls forming their own group.
-pub fn group_by(
+/// Rows grouped by equal `words` (rows whose `validity` says null forming one group of their
+/// own): each row's group, the number of groups, and each group's first row. Groups are
+/// numbered in order of first occurrence.
+struct RowGroups {
+    row_group: super::pool::DeviceBuffer,
+    groups: usize,
+    first_row: super::pool::DeviceBuffer,
+}
+
+fn row_groups(
     runtime: &GpuRuntime,
-    table: &DeviceTable,
-    keys: &[String],
-    aggregates: &[Aggregate],
-) -> Result<DeviceTable, GpuOpError> {
-    const OP: &str = "group-by";
-    let [key] = keys else {
-        return Err(if keys.is_empty() {
-            GpuOpError::Invalid {
-                operator: OP,
-                detail: "at least one key column is needed".into(),
-            }
-        } else {
-            GpuOpError::Unsupported {
-                operator: OP,
-                detail: format!("{} key columns (the kernels take one)", keys.len()),
-            }
-        });
-    };
-    let n = table.rows;
-    check_rows(n)?;
-    let key_column = column_of(table, OP, key)?;
-    let words = equality_words(runtime, key_column, OP)?;
+    words: &super::pool::DeviceBuffer,
+    validity: Option<&super::pool::DeviceBuffer>,
+    n: usize,
+) -> Result<RowGroups, GpuOpError> {
     let capacity = table_capacity(n);
     let slots = capacity + 1;
     let slot_words = alloc(runtime, capacity, 8)?;
@@ -635,8 +625,8 @@ pub fn group_by(
         "wrk_group_insert",
         n,
         &[
-            Arg::Buf(&words),
-            Arg::Opt(key_column.validity.as_ref()),
+            Arg::Buf(words),
+            Arg::Opt(validity),
             Arg::Buf(&slot_words),
             Arg::Buf(&slot_state),
             Arg::Buf(&first_row),
@@ -698,23 +688,73 @@ pub fn group_by(
             Arg::I64(n as i64),
         ],
     )?;
-    let mut fields = vec![
-        table
-            .schema
-            .field_with_name(key)
-            .map_err(|e| GpuOpError::Invalid {
-                operator: OP,
-                detail: e.to_string(),
-            })?
-            .clone(),
-    ];
-    let mut columns = vec![Arc::new(gather_column(
-        runtime,
-        key_column,
-        &group_first_row,
+    Ok(RowGroups {
+        row_group,
         groups,
-        false,
-    )?)];
+        first_row: group_first_row,
+    })
+}
+
+/// Hash group-by on fixed-width key columns: the key columns, then one column per aggregate;
+/// groups in order of first occurrence, nulls equal to each other (as the CPU backend groups).
+/// Several keys are grouped one at a time: the groups so far and the next key's groups make
+/// one word per row (`group * next_groups + next_group`), grouped again.
+pub fn group_by(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    keys: &[String],
+    aggregates: &[Aggregate],
+) -> Result<DeviceTable, GpuOpError> {
+    const OP: &str = "group-by";
+    let Some((first_key, other_keys)) = keys.split_first() else {
+        return Err(GpuOpError::Invalid {
+            operator: OP,
+            detail: "at least one key column is needed".into(),
+        });
+    };
+    let n = table.rows;
+    check_rows(n)?;
+    let key_groups = |key: &String| {
+        let column = column_of(table, OP, key)?;
+        let words = equality_words(runtime, column, OP)?;
+        row_groups(runtime, &words, column.validity.as_ref(), n)
+    };
+    let mut grouped = key_groups(first_key)?;
+    for key in other_keys {
+        let next = key_groups(key)?;
+        let words = alloc(runtime, n, 8)?;
+        run(
+            runtime,
+            "wrk_combine_groups",
+            n,
+            &[
+                Arg::Buf(&grouped.row_group),
+                Arg::U64(next.groups as u64),
+                Arg::Buf(&next.row_group),
+                Arg::Buf(&words),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        grouped = row_groups(runtime, &words, None, n)?;
+    }
+    let RowGroups {
+        row_group,
+        groups,
+        first_row,
+    } = grouped;
+    let mut fields = Vec::with_capacity(keys.len() + aggregates.len());
+    let mut columns = Vec::with_capacity(keys.len() + aggregates.len());
+    for key in keys {
+        let index = column_index(table, OP, key)?;
+        fields.push(table.schema.field(index).clone());
+        columns.push(Arc::new(gather_column(
+            runtime,
+            &table.columns[index],
+            &first_row,
+            groups,
+            false,
+        )?));
+    }
     for aggregate in aggregates {
         let values = column_of(table, OP, &aggregate.column)?;
         let column = aggregate_column(runtime, table, values, aggregate, &row_group, groups)?;

@@ -280,14 +280,18 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         alias: format!("a{i}"),
     })
     .collect();
-    let key = ["k".to_string()];
-    let d = ops::group_by(runtime, &device, &key, &aggregates)
-        .and_then(|t| Ok(download(runtime, &t)?))
-        .map_err(|e| failed("group-by")(e.to_string()))?;
-    let h = cpu::ops::group_by(table, &key, &aggregates)
-        .map_err(|e| failed("group-by")(e.to_string()))?;
-    // Float sums add in another order on the device.
-    compare("group-by", &d, &h, 1e-9)?;
+    // One key, and several: with nulls, a boolean, and a float key with NaN and -0.0.
+    for keys in [&["k"][..], &["k", "b"], &["b", "k"], &["k", "x", "b"]] {
+        let operator = format!("group-by {keys:?}");
+        let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        let d = ops::group_by(runtime, &device, &keys, &aggregates)
+            .and_then(|t| Ok(download(runtime, &t)?))
+            .map_err(|e| failed(&operator)(e.to_string()))?;
+        let h = cpu::ops::group_by(table, &keys, &aggregates)
+            .map_err(|e| failed(&operator)(e.to_string()))?;
+        // Float sums add in another order on the device.
+        compare(&operator, &d, &h, 1e-9)?;
+    }
     // The same over the whole table (an empty table's aggregate is the CPU's).
     if table.num_rows() > 0 {
         let d = ops::aggregate(runtime, &device, &aggregates)

@@ -222,8 +222,9 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
         "{taxi}"
     );
 
-    // Jobs with operators no kernel covers: two-key group-bys (fare-stats), a group-by on
-    // strings after a join on the device (zone-join); and a top-k on the device (top-fares).
+    // Two-key group-bys on the device (fare-stats), a group-by on strings (no kernel: on the
+    // CPU backend) after a join on the device (zone-join), and a top-k on the device
+    // (top-fares).
     for (example, sources) in [
         ("fare-stats", vec![("trips", trips.as_path())]),
         (
@@ -232,7 +233,18 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
         ),
         ("top-fares", vec![("trips", trips.as_path())]),
     ] {
+        let before = scrape();
         let on_device = read(&submit(example, &sources, Some(&url), out.path()));
+        if example == "fare-stats" {
+            let ran = scrape();
+            let group_bys =
+                |on| operators(&ran, "group-by", on) - operators(&before, "group-by", on);
+            assert_eq!(
+                (group_bys("device"), group_bys("host")),
+                (3.0, 0.0),
+                "{ran}"
+            );
+        }
         let on_cpu = read(&submit(example, &sources, None, out.path()));
         assert!(on_cpu.num_rows() > 0, "{example}");
         assert_same_rows(example, &on_device, &on_cpu);

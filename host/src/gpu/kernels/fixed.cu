@@ -452,6 +452,13 @@ extern "C" __global__ void wrk_number_groups(const wrk_u32* used_slots, const wr
     }
 }
 
+// One word per row from its group so far and its group by the next key: distinct pairs make
+// distinct words (both counts are below 2^32).
+extern "C" __global__ void wrk_combine_groups(const wrk_u32* group, wrk_u64 next_groups, const wrk_u32* next_group,
+                                              wrk_u64* words, wrk_i64 n) {
+    WRK_ROWS(i, n) { words[i] = (wrk_u64)group[i] * next_groups + (wrk_u64)next_group[i]; }
+}
+
 extern "C" __global__ void wrk_row_groups(const wrk_u32* row_slot, const wrk_u32* group_of_slot, wrk_u32* row_group,
                                           wrk_i64 n) {
     WRK_ROWS(i, n) { row_group[i] = group_of_slot[row_slot[i]]; }
