@@ -113,6 +113,50 @@ fn assert_same_rows(what: &str, device: &RecordBatch, cpu: &RecordBatch) {
     }
 }
 
+/// A scheduler and one worker on `device` (with `extra` arguments) serving metrics: the
+/// processes, the scheduler's URL and the worker as the scheduler reports it, which must be
+/// on `device`.
+fn start_gpu_worker(device: &str, extra: &[&str]) -> (Processes, String, wrk_proto::WorkerStatus) {
+    let mut processes = Processes(Vec::new());
+    let scheduler = start_scheduler(&mut processes, &[], &[]);
+    let url = scheduler.url.clone();
+    let mut args = vec!["--device", device, "--metrics-listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    processes.0.push(start_worker(&url, "gpu-worker", &args));
+    wait_for_workers(&url, 1, None);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let status = runtime
+        .block_on(wrk_cli::client::cluster_status(&url, None))
+        .unwrap();
+    let worker = status.workers[0].clone();
+    assert_eq!(worker.device, device, "{worker:?}");
+    (processes, url, worker)
+}
+
+/// The worker's metrics once `settled` holds for them (they follow the heartbeats), or a
+/// failure after 20 s saying `what` never happened.
+fn metrics_once(
+    worker: &wrk_proto::WorkerStatus,
+    what: &str,
+    settled: impl Fn(&str) -> bool,
+) -> String {
+    let waited = Instant::now();
+    loop {
+        let text = http_get(&worker.http_address, "/metrics").1;
+        if settled(&text) {
+            return text;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(20),
+            "{what} never happened: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// The rows of `batch` in ascending order of `column`.
 fn sorted_by(batch: &RecordBatch, column: &str) -> RecordBatch {
     let order =
@@ -156,24 +200,7 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
     wrk_cli::taxi::generate_dimensions(dimensions.path(), 12_500, 11).unwrap();
     let zones = dimensions.path().join("zones");
 
-    let mut processes = Processes(Vec::new());
-    let scheduler = start_scheduler(&mut processes, &[], &[]);
-    let url = scheduler.url.clone();
-    processes.0.push(start_worker(
-        &url,
-        "gpu-worker",
-        &["--device", device, "--metrics-listen", "127.0.0.1:0"],
-    ));
-    wait_for_workers(&url, 1, None);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let status = runtime
-        .block_on(wrk_cli::client::cluster_status(&url, None))
-        .unwrap();
-    let worker = status.workers[0].clone();
-    assert_eq!(worker.device, device);
+    let (_processes, url, worker) = start_gpu_worker(device, &[]);
     let scrape = || http_get(&worker.http_address, "/metrics").1;
     // The worker's start-up self-test moved tables too: a job's transfers are the change.
     let start = scrape();
@@ -270,19 +297,9 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
 
     // The tasks' device tables were freed when they ended, and the broadcast table and its
     // join index when their job was released (the gauge follows the heartbeats).
-    let waited = Instant::now();
-    let settled = loop {
-        let text = scrape();
-        let used = metric_value(&text, "wrk_worker_device_pool_used_bytes");
-        if used == used_at_start {
-            break text;
-        }
-        assert!(
-            waited.elapsed() < Duration::from_secs(20),
-            "{used} bytes of the device pool still used after the jobs, {used_at_start} at start"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let settled = metrics_once(&worker, "freeing the device pool", |text| {
+        metric_value(text, "wrk_worker_device_pool_used_bytes") == used_at_start
+    });
     // zone-join's zones went to the device once, for both of its join tasks, each joining
     // twice (inner, then anti): the first join built the index on them, the other three probed
     // the same index (an upload per task would have made an index per task).
@@ -308,33 +325,12 @@ fn a_job_larger_than_the_device_pool_gives_the_same_answer() {
     // Each `distance` task uploads 3 MB of trips (60 bytes a row) and adds its distances next
     // to them: a 3 MiB pool holds one task's trips, not its distances, nor two tasks at once.
     let data = taxi_dataset(100_000, 2, 10_000);
-    let mut processes = Processes(Vec::new());
-    let scheduler = start_scheduler(&mut processes, &[], &[]);
-    let url = scheduler.url.clone();
-    processes.0.push(start_worker(
-        &url,
-        "small-gpu-worker",
-        &[
-            "--device",
-            device,
-            "--device-pool-size",
-            "3MiB",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ],
-    ));
-    wait_for_workers(&url, 1, None);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let status = runtime
-        .block_on(wrk_cli::client::cluster_status(&url, None))
-        .unwrap();
-    let worker = status.workers[0].clone();
-    assert_eq!(worker.device, device, "the self-test fits the small pool");
-    let scrape = || http_get(&worker.http_address, "/metrics").1;
-    let used_at_start = metric_value(&scrape(), "wrk_worker_device_pool_used_bytes");
+    // The worker's self-test fits the small pool: it starts on the device.
+    let (_processes, url, worker) = start_gpu_worker(device, &["--device-pool-size", "3MiB"]);
+    let used_at_start = metric_value(
+        &http_get(&worker.http_address, "/metrics").1,
+        "wrk_worker_device_pool_used_bytes",
+    );
 
     let out = tempfile::tempdir().unwrap();
     let result = submit(
@@ -348,20 +344,10 @@ fn a_job_larger_than_the_device_pool_gives_the_same_answer() {
     // device table was an operator's input, or shared its columns with one), and the
     // operators that did not fit ran on the CPU backend. The others ran on the device, within
     // the budget, and everything went back to the pool (the gauges follow the heartbeats).
-    let waited = Instant::now();
-    let text = loop {
-        let text = scrape();
-        if metric_value(&text, "wrk_worker_device_pool_evictions_total") > 0.0
-            && metric_value(&text, "wrk_worker_device_pool_used_bytes") == used_at_start
-        {
-            break text;
-        }
-        assert!(
-            waited.elapsed() < Duration::from_secs(20),
-            "the device pool was never full, or not freed: {text}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let text = metrics_once(&worker, "a full device pool, then an empty one", |text| {
+        metric_value(text, "wrk_worker_device_pool_evictions_total") > 0.0
+            && metric_value(text, "wrk_worker_device_pool_used_bytes") == used_at_start
+    });
     assert!(
         metric_value(&text, "wrk_worker_device_pool_peak_bytes") <= f64::from(3u32 << 20),
         "{text}"
