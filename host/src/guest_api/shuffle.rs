@@ -64,9 +64,13 @@ impl Host for TaskState {
             Ok(n) => n,
             Err(e) => return Ok(Err(e)),
         };
-        // A table on the device is partitioned there, and the pieces come to host memory
-        // (counted) for the exchange; one in host memory is partitioned there, not uploaded.
-        let on_device = matches!(self.table.get(&data)?, TaskTable::Device(t) if t.on_device());
+        // A table only on the device is partitioned there, and the pieces come to host memory
+        // (counted) for the exchange; one with a copy in host memory is partitioned there,
+        // with no transfer.
+        let on_device = matches!(
+            self.table.get(&data)?,
+            TaskTable::Device(t) if t.on_device() && t.host_copy().is_none()
+        );
         let device: DeviceOp<_> = &|gpu, t| gpu_ops::hash_partition(gpu, t[0], &keys, partitions);
         let device = on_device.then_some(device);
         let placed = self.run_on_device_or_host("shuffle.send", &[&data], device, |t| {
