@@ -167,20 +167,24 @@ impl Backend {
         }
     }
 
-    /// Copies the first `out.len()` bytes of `memory` to `out`, waiting for the work before it.
-    pub fn read(&self, memory: &Memory, out: &mut [u8]) -> Result<(), String> {
+    /// Copies `out.len()` bytes of `memory` from byte `at` to `out`, waiting for the work
+    /// before it.
+    pub fn read(&self, memory: &Memory, at: usize, out: &mut [u8]) -> Result<(), String> {
+        let end = at + out.len();
         match (self, memory) {
             (Backend::Cuda { stream, .. }, Memory::Cuda(slice)) => {
                 let view = slice
-                    .try_slice(0..out.len())
-                    .ok_or_else(|| out_of_range("a read", out.len(), slice.len()))?;
+                    .try_slice(at..end)
+                    .ok_or_else(|| out_of_range("a read", end, slice.len()))?;
                 stream.memcpy_dtoh(&view, out).map_err(|e| e.to_string())?;
                 stream.synchronize().map_err(|e| e.to_string())
             }
             (_, Memory::Host(host)) => {
-                host.check("a read", out.len())?;
+                host.check("a read", end)?;
                 // SAFETY: in bounds (checked); no launch is running (launches are synchronous).
-                unsafe { std::ptr::copy_nonoverlapping(host.bytes(), out.as_mut_ptr(), out.len()) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(host.bytes().add(at), out.as_mut_ptr(), out.len())
+                };
                 Ok(())
             }
             (Backend::Emulated, Memory::Cuda(_)) => Err(mixed()),

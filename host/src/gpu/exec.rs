@@ -15,7 +15,9 @@ use super::GpuRuntime;
 use super::backend::Backend;
 use super::kernels::{Kernel, KernelError};
 use super::pool::{DeviceBuffer, PoolError};
-use super::table::{DeviceColumn, DeviceTable, TableError, address, to_host, value_width};
+use super::table::{
+    DeviceColumn, DeviceTable, TableError, address, to_host, to_host_at, value_width,
+};
 
 /// "No row": gathers as a null (the unmatched side of a left join).
 pub const NONE: u32 = u32::MAX;
@@ -221,15 +223,28 @@ pub fn iota(runtime: &GpuRuntime, start: u32, count: usize) -> Result<DeviceBuff
     Ok(buffer)
 }
 
+/// Element `index` of a buffer of 4-byte values, as its bytes: one 4-byte copy.
+fn read_4(runtime: &GpuRuntime, buffer: &DeviceBuffer, index: usize) -> Result<[u8; 4], ExecError> {
+    let bytes = to_host_at(runtime, buffer, index * 4, 4)?;
+    Ok([bytes[0], bytes[1], bytes[2], bytes[3]])
+}
+
 /// Element `index` of a `u32` buffer.
 pub fn read_u32(
     runtime: &GpuRuntime,
     buffer: &DeviceBuffer,
     index: usize,
 ) -> Result<u32, ExecError> {
-    let bytes = to_host(runtime, buffer, (index + 1) * 4)?;
-    let b = &bytes[index * 4..];
-    Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    read_4(runtime, buffer, index).map(u32::from_le_bytes)
+}
+
+/// Element `index` of an `i32` buffer (a string column's offsets).
+pub fn read_i32(
+    runtime: &GpuRuntime,
+    buffer: &DeviceBuffer,
+    index: usize,
+) -> Result<i32, ExecError> {
+    read_4(runtime, buffer, index).map(i32::from_le_bytes)
 }
 
 /// The exclusive prefix sum of `n` `u32` values, and their total.

@@ -1176,9 +1176,7 @@ fn concat_column(
                 operator: "concat",
                 detail: "a string column without offsets".into(),
             })?;
-            let bytes = to_host(runtime, offsets, (p.len + 1) * 4)?;
-            let end = &bytes[p.len * 4..];
-            lengths.push(i32::from_le_bytes([end[0], end[1], end[2], end[3]]).max(0) as usize);
+            lengths.push(exec::read_i32(runtime, offsets, p.len)?.max(0) as usize);
         }
         let total: usize = lengths.iter().sum();
         if i32::try_from(total).is_err() {

@@ -66,9 +66,6 @@ pub struct ResidentTable {
     /// The account host copies are claimed by: the task's, or the store's once the table is
     /// a stored partition.
     owner: Mutex<Option<Arc<Account>>>,
-    /// Whether the worker's tasks share it (uploaded from a shared table: a broadcast input),
-    /// so that a join caches its index on it.
-    shared: bool,
 }
 
 impl ResidentTable {
@@ -79,7 +76,6 @@ impl ResidentTable {
         host: Option<Table>,
         owner: Option<Arc<Account>>,
     ) -> Arc<Self> {
-        let shared = host.as_ref().is_some_and(Table::is_shared);
         let resident = Arc::new(ResidentTable {
             runtime: runtime.clone(),
             schema: table.schema.clone(),
@@ -90,7 +86,6 @@ impl ResidentTable {
             }),
             last_used: AtomicU64::new(runtime.resident.tick()),
             owner: Mutex::new(owner),
-            shared,
         });
         runtime.resident.register(&resident);
         resident
@@ -120,9 +115,11 @@ impl ResidentTable {
         self.rows
     }
 
-    /// Whether the worker's tasks share it (see [`Table::is_shared`]).
+    /// Whether the worker's tasks share it (see [`Table::is_shared`]): it was uploaded from a
+    /// shared table (a broadcast input), which stays its host copy, so that a join caches its
+    /// index on it. A table made on the device, and the download of one, are not shared.
     pub fn is_shared(&self) -> bool {
-        self.shared
+        self.lock().host().is_some_and(Table::is_shared)
     }
 
     /// Whether the table is in device memory now (not spilled).

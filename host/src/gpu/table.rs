@@ -138,11 +138,22 @@ pub(crate) fn to_host(
     buffer: &DeviceBuffer,
     len: usize,
 ) -> Result<Vec<u8>, TableError> {
+    to_host_at(runtime, buffer, 0, len)
+}
+
+/// `len` bytes of `buffer` from byte `at` (a value read back without the ones before it), not
+/// counted.
+pub(crate) fn to_host_at(
+    runtime: &GpuRuntime,
+    buffer: &DeviceBuffer,
+    at: usize,
+    len: usize,
+) -> Result<Vec<u8>, TableError> {
     let mut out = vec![0u8; len];
     if len > 0 {
         runtime
             .backend
-            .read(buffer.memory(), &mut out)
+            .read(buffer.memory(), at, &mut out)
             .map_err(TableError::Copy)?;
     }
     Ok(out)
@@ -159,7 +170,7 @@ fn to_host_buffer(
     if len > 0 {
         runtime
             .backend
-            .read(buffer.memory(), out.as_slice_mut())
+            .read(buffer.memory(), 0, out.as_slice_mut())
             .map_err(TableError::Copy)?;
     }
     Ok(out.into())

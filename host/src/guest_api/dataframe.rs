@@ -650,10 +650,7 @@ impl HostTable for TaskState {
             JoinType::Anti => join::JoinType::Anti,
         };
         // A table every task of the worker shares is built on once: its index is cached.
-        let right_shared = match self.table.get(&right)? {
-            TaskTable::Host(table) => table.is_shared(),
-            TaskTable::Device(table) => table.is_shared(),
-        };
+        let right_shared = self.table.get(&right)?.is_shared();
         let device: DeviceOp =
             &|gpu, t| gpu_ops::join(gpu, t[0], t[1], &left_on, &right_on, how, right_shared);
         let covered = self.device_covers(&[&self_, &right], |s| {

@@ -52,6 +52,14 @@ impl TaskTable {
         }
     }
 
+    /// Whether the worker's tasks share it (a broadcast input): a join caches its index on it.
+    pub fn is_shared(&self) -> bool {
+        match self {
+            TaskTable::Host(table) => table.is_shared(),
+            TaskTable::Device(table) => table.is_shared(),
+        }
+    }
+
     /// Bytes it takes where it is (a device table: in device memory until spilled).
     pub fn memory_bytes(&self) -> u64 {
         match self {
