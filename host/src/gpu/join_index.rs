@@ -15,9 +15,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
+use arrow::datatypes::DataType;
+
 use super::GpuRuntime;
-use super::exec::{Arg, alloc, filled_u32, iota, radix_sort, run, selected_rows};
-use super::ops::GpuOpError;
+use super::exec::{Arg, alloc, filled_u32, iota, radix_sort, read_u32, run, selected_rows};
+use super::ops::{GpuOpError, hash_collision, string_offsets};
 use super::pool::DeviceBuffer;
 use super::table::DeviceColumn;
 
@@ -39,11 +41,14 @@ pub struct JoinIndex {
 }
 
 impl JoinIndex {
-    /// Builds the index on `key`, whose equality words (`ops::equality_words`) are `words`.
+    /// Builds the index on `key` (the column `name`), whose equality words are `words`. The
+    /// words of strings are hashes: a run of equal words holding different strings (a
+    /// collision) refuses the build, so every run holds one key.
     pub fn build(
         runtime: &GpuRuntime,
         key: &DeviceColumn,
         words: &DeviceBuffer,
+        name: &str,
     ) -> Result<JoinIndex, GpuOpError> {
         let all = key.len;
         let valid_flags = alloc(runtime, all, 4)?;
@@ -83,6 +88,27 @@ impl JoinIndex {
                 Arg::I64(b as i64),
             ],
         )?;
+        if key.data_type == DataType::Utf8 {
+            let mismatches = filled_u32(runtime, 1, 0)?;
+            run(
+                runtime,
+                "wrk_str_run_check",
+                b,
+                &[
+                    Arg::Buf(string_offsets(key, "join", name)?),
+                    Arg::Buf(&key.values),
+                    Arg::Buf(&build_words),
+                    Arg::Buf(&order),
+                    Arg::Buf(&build_order),
+                    Arg::Buf(&mismatches),
+                    Arg::I64(b as i64),
+                ],
+            )?;
+            match read_u32(runtime, &mismatches, 0)? {
+                0 => {}
+                rows => return Err(hash_collision("join", name, rows)),
+            }
+        }
         let run_flags = alloc(runtime, b, 4)?;
         run(
             runtime,
@@ -125,6 +151,60 @@ impl JoinIndex {
             slot_state,
             capacity,
         })
+    }
+
+    /// Probes the index with every row of `key` (the probe table's key column and its name),
+    /// whose equality words are `words`; `build_key` is the column the index was built on.
+    /// Returns each probe row's matches: where they start in `build_order`, and how many
+    /// there are (0 for none).
+    pub fn probe(
+        &self,
+        runtime: &GpuRuntime,
+        (key, name): (&DeviceColumn, &str),
+        words: &DeviceBuffer,
+        (build_key, build_name): (&DeviceColumn, &str),
+    ) -> Result<(DeviceBuffer, DeviceBuffer), GpuOpError> {
+        let n = key.len;
+        let match_start = alloc(runtime, n, 4)?;
+        let match_count = alloc(runtime, n, 4)?;
+        run(
+            runtime,
+            "wrk_join_probe",
+            n,
+            &[
+                Arg::Buf(words),
+                Arg::Opt(key.validity.as_ref()),
+                Arg::Buf(&self.slot_words),
+                Arg::Buf(&self.slot_run),
+                Arg::Buf(&self.slot_state),
+                Arg::U64(self.capacity as u64 - 1),
+                Arg::Buf(&self.run_starts),
+                Arg::U64(self.runs as u64),
+                Arg::U32(self.valid_rows as u32),
+                Arg::Buf(&match_start),
+                Arg::Buf(&match_count),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        if key.data_type == DataType::Utf8 {
+            // Equal hashes, different strings: no match (a run's strings are all equal).
+            run(
+                runtime,
+                "wrk_str_probe_check",
+                n,
+                &[
+                    Arg::Buf(string_offsets(key, "join", name)?),
+                    Arg::Buf(&key.values),
+                    Arg::Buf(string_offsets(build_key, "join", build_name)?),
+                    Arg::Buf(&build_key.values),
+                    Arg::Buf(&self.build_order),
+                    Arg::Buf(&match_start),
+                    Arg::Buf(&match_count),
+                    Arg::I64(n as i64),
+                ],
+            )?;
+        }
+        Ok((match_start, match_count))
     }
 
     /// Device memory the index holds.

@@ -5,20 +5,27 @@
 //!   is true (stream compaction by prefix sum, then gathers);
 //! - [`hash_partition`] splits by the pinned partition hash (`cpu/keys.rs`), each part in input
 //!   order;
-//! - [`group_by`] on fixed-width keys: a hash table built with atomics, groups numbered by
-//!   first occurrence (several keys grouped one at a time, each row's groups so far and its
-//!   next key's group making the next word to group), sum/count/mean/min/max with atomics;
+//! - [`group_by`] on fixed-width and string keys: a hash table built with atomics, groups
+//!   numbered by first occurrence (several keys grouped one at a time, each row's groups so far
+//!   and its next key's group making the next word to group), sum/count/mean/min/max with
+//!   atomics;
 //! - [`sort`]: stable LSD radix sort of order-preserving key words, any number of fixed-width
-//!   keys, ascending or descending, nulls first or last;
-//! - [`join`] on one fixed-width key pair: inner, left, semi, anti (build on the right table:
-//!   its valid rows sorted by key, runs hashed; probe with the left);
+//!   or string keys, ascending or descending, nulls first or last (a string key sorts its
+//!   distinct strings, then the rows by their string's rank);
+//! - [`join`] on one key pair, fixed-width or strings: inner, left, semi, anti (build on the
+//!   right table: its valid rows sorted by key, runs hashed; probe with the left);
 //! - [`concat`] of tables with the same columns;
 //! - [`aggregate`] over the whole table (a group-by on a key every row shares);
 //! - [`select`], [`with_columns`] (columns shared with the input, not copied), [`slice`] and
 //!   [`top_k`] (a sort, then a slice).
 //!
-//! What a kernel does not cover yet (string keys, several join keys, count-distinct, string
-//! expressions, an empty table's aggregate) is refused with [`GpuOpError::Unsupported`]: the
+//! String keys are matched by a 64-bit hash of their bytes, checked: rows whose hashes are
+//! equal are compared byte for byte, so a collision never merges two keys (a group-by or a
+//! join build that meets one is refused, a probe drops the false match).
+//!
+//! What a kernel does not cover yet (several join keys, count-distinct, string expressions,
+//! an empty table's aggregate, strings longer than [`SORT_STRING_BYTES`] as sort keys) is
+//! refused with [`GpuOpError::Unsupported`]: the
 //! caller keeps that operator on the CPU backend.
 
 use std::sync::Arc;
@@ -138,23 +145,29 @@ pub fn expression_covers(schema: &Schema, expr: &Expr) -> bool {
     matches!(expr, Expr::Column(_)) || fused::generate(expr, schema).is_ok()
 }
 
-/// Whether the kernels cover sorting a table of `schema` by `keys`: every key fixed-width.
+/// Whether the kernels group, join and sort by a key of this type: fixed-width or strings.
+fn key_type_covered(data_type: &DataType) -> bool {
+    storage_suffix(data_type).is_some() || *data_type == DataType::Utf8
+}
+
+/// Whether the kernels cover sorting a table of `schema` by `keys` (fixed-width or string
+/// keys; how long the strings are is only known on the device).
 pub fn sort_covers(schema: &Schema, keys: &[SortKey]) -> bool {
     keys.iter().all(|k| {
         schema
             .field_with_name(&k.column)
-            .is_ok_and(|f| storage_suffix(f.data_type()).is_some())
+            .is_ok_and(|f| key_type_covered(f.data_type()))
     })
 }
 
-/// Whether the kernels cover a group-by of a table of `schema`: fixed-width keys, no
-/// count-distinct.
+/// Whether the kernels cover a group-by of a table of `schema`: fixed-width or string keys,
+/// no count-distinct.
 pub fn group_by_covers(schema: &Schema, keys: &[String], aggregates: &[Aggregate]) -> bool {
     !keys.is_empty()
         && keys.iter().all(|key| {
             schema
                 .field_with_name(key)
-                .is_ok_and(|f| storage_suffix(f.data_type()).is_some())
+                .is_ok_and(|f| key_type_covered(f.data_type()))
         })
         && aggregates
             .iter()
@@ -392,10 +405,7 @@ pub fn hash_partition(
         let column = column_of(table, OP, key)?;
         let rows = Arg::I64(n as i64);
         if column.data_type == DataType::Utf8 {
-            let offsets = column.offsets.as_ref().ok_or_else(|| GpuOpError::Invalid {
-                operator: OP,
-                detail: format!("string column `{key}` has no offsets"),
-            })?;
+            let offsets = string_offsets(column, OP, key)?;
             run(
                 runtime,
                 "wrk_hash_str",
@@ -489,25 +499,30 @@ pub fn sort(
     // LSD: the last key first; within a key, its values first and its null pass last.
     for key in keys.iter().rev() {
         let column = column_of(table, OP, &key.column)?;
-        let suffix = storage_suffix(&column.data_type).ok_or_else(|| GpuOpError::Unsupported {
-            operator: OP,
-            detail: format!(
-                "sorting by `{}` of type {} has no kernel yet",
-                key.column, column.data_type
-            ),
-        })?;
-        run(
-            runtime,
-            &format!("wrk_order_word_{suffix}"),
-            n,
-            &[
-                Arg::Buf(&column.values),
-                Arg::Opt(column.validity.as_ref()),
-                Arg::I32(i32::from(key.descending)),
-                Arg::Buf(&words),
-                Arg::I64(n as i64),
-            ],
-        )?;
+        if column.data_type == DataType::Utf8 {
+            string_order_words(runtime, column, key, &words)?;
+        } else {
+            let suffix =
+                storage_suffix(&column.data_type).ok_or_else(|| GpuOpError::Unsupported {
+                    operator: OP,
+                    detail: format!(
+                        "sorting by `{}` of type {} has no kernel yet",
+                        key.column, column.data_type
+                    ),
+                })?;
+            run(
+                runtime,
+                &format!("wrk_order_word_{suffix}"),
+                n,
+                &[
+                    Arg::Buf(&column.values),
+                    Arg::Opt(column.validity.as_ref()),
+                    Arg::I32(i32::from(key.descending)),
+                    Arg::Buf(&words),
+                    Arg::I64(n as i64),
+                ],
+            )?;
+        }
         perm = radix_sort(runtime, &words, perm, n)?;
         if column.validity.is_some() {
             run(
@@ -525,6 +540,89 @@ pub fn sort(
         }
     }
     Ok(gather_table(runtime, table, &perm, n)?)
+}
+
+/// The longest strings a sort key may hold on the device: the distinct strings are sorted 8
+/// bytes per radix pass over their whole length, so longer keys are sorted by the CPU backend.
+pub const SORT_STRING_BYTES: usize = 256;
+
+/// The order words of a string sort key, into `words`: each row's rank among the column's
+/// distinct strings (in `key`'s direction). The distinct strings (one row per group) are sorted
+/// by an LSD radix sort of their lengths, then their bytes 8 at a time from the last to the
+/// first, so a column of few distinct strings costs few passes over few rows.
+fn string_order_words(
+    runtime: &GpuRuntime,
+    column: &DeviceColumn,
+    key: &SortKey,
+    words: &super::pool::DeviceBuffer,
+) -> Result<(), GpuOpError> {
+    const OP: &str = "sort";
+    let n = column.len;
+    let offsets = string_offsets(column, OP, &key.column)?;
+    let groups = key_groups(runtime, column, OP, &key.column)?;
+    let distinct = groups.groups;
+    let longest = filled_u32(runtime, 1, 0)?;
+    run(
+        runtime,
+        "wrk_str_longest",
+        distinct,
+        &[
+            Arg::Buf(offsets),
+            Arg::Buf(&groups.first_row),
+            Arg::Buf(&longest),
+            Arg::I64(distinct as i64),
+        ],
+    )?;
+    let longest = exec::read_u32(runtime, &longest, 0)? as usize;
+    if longest > SORT_STRING_BYTES {
+        return Err(GpuOpError::Unsupported {
+            operator: OP,
+            detail: format!(
+                "`{}` holds strings of {longest} bytes; the kernels sort strings of up to \
+                 {SORT_STRING_BYTES}",
+                key.column
+            ),
+        });
+    }
+    let chunk_words = alloc(runtime, distinct, 8)?;
+    let mut order = iota(runtime, 0, distinct)?;
+    // Chunk -1 is the length (the last tie-break), then the bytes from the last chunk.
+    for chunk in std::iter::once(-1).chain((0..longest.div_ceil(8) as i32).rev()) {
+        run(
+            runtime,
+            "wrk_str_order_word",
+            distinct,
+            &[
+                Arg::Buf(offsets),
+                Arg::Buf(&column.values),
+                Arg::Buf(&groups.first_row),
+                Arg::I32(chunk),
+                Arg::I32(i32::from(key.descending)),
+                Arg::Buf(&chunk_words),
+                Arg::I64(distinct as i64),
+            ],
+        )?;
+        order = radix_sort(runtime, &chunk_words, order, distinct)?;
+    }
+    let rank = alloc(runtime, distinct, 4)?;
+    run(
+        runtime,
+        "wrk_ranks",
+        distinct,
+        &[Arg::Buf(&order), Arg::Buf(&rank), Arg::I64(distinct as i64)],
+    )?;
+    run(
+        runtime,
+        "wrk_rank_words",
+        n,
+        &[
+            Arg::Buf(&groups.row_group),
+            Arg::Buf(&rank),
+            Arg::Buf(words),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    Ok(())
 }
 
 /// The aggregates over the whole table, in one row: a group-by on a key every row shares,
@@ -570,17 +668,48 @@ pub fn aggregate(
     })
 }
 
-/// The equality words of a fixed-width key column.
+/// A string column's offsets (`name` for the error).
+pub(super) fn string_offsets<'a>(
+    column: &'a DeviceColumn,
+    operator: &'static str,
+    name: &str,
+) -> Result<&'a super::pool::DeviceBuffer, GpuOpError> {
+    column.offsets.as_ref().ok_or_else(|| GpuOpError::Invalid {
+        operator,
+        detail: format!("string column `{name}` has no offsets"),
+    })
+}
+
+/// The equality words of a key column: exact for fixed-width keys; for strings the XXH64 of
+/// their bytes, which the caller must check (see [`key_groups`], [`JoinIndex::build`]).
 fn equality_words(
     runtime: &GpuRuntime,
     column: &DeviceColumn,
     operator: &'static str,
+    name: &str,
 ) -> Result<super::pool::DeviceBuffer, GpuOpError> {
+    let words = alloc(runtime, column.len, 8)?;
+    if column.data_type == DataType::Utf8 {
+        run(
+            runtime,
+            "wrk_eq_word_str",
+            column.len,
+            &[
+                Arg::Buf(string_offsets(column, operator, name)?),
+                Arg::Buf(&column.values),
+                Arg::Buf(&words),
+                Arg::I64(column.len as i64),
+            ],
+        )?;
+        return Ok(words);
+    }
     let suffix = storage_suffix(&column.data_type).ok_or_else(|| GpuOpError::Unsupported {
         operator,
-        detail: format!("keys of type {} have no kernel yet", column.data_type),
+        detail: format!(
+            "`{name}`: keys of type {} have no kernel yet",
+            column.data_type
+        ),
     })?;
-    let words = alloc(runtime, column.len, 8)?;
     run(
         runtime,
         &format!("wrk_eq_word_{suffix}"),
@@ -606,6 +735,65 @@ struct RowGroups {
     row_group: super::pool::DeviceBuffer,
     groups: usize,
     first_row: super::pool::DeviceBuffer,
+}
+
+/// The rows of one key column (`name`) grouped by equal keys. String keys are grouped by
+/// their hashes, then every row is compared with its group's first row: a hash collision
+/// (two strings in one group) refuses the operator, which the CPU backend then runs.
+fn key_groups(
+    runtime: &GpuRuntime,
+    column: &DeviceColumn,
+    operator: &'static str,
+    name: &str,
+) -> Result<RowGroups, GpuOpError> {
+    let n = column.len;
+    let words = equality_words(runtime, column, operator, name)?;
+    let groups = row_groups(runtime, &words, column.validity.as_ref(), n)?;
+    if column.data_type == DataType::Utf8 {
+        check_string_groups(runtime, column, &groups, operator, name)?;
+    }
+    Ok(groups)
+}
+
+/// Checks that every valid row of a string column holds its group's first row's string.
+fn check_string_groups(
+    runtime: &GpuRuntime,
+    column: &DeviceColumn,
+    groups: &RowGroups,
+    operator: &'static str,
+    name: &str,
+) -> Result<(), GpuOpError> {
+    let n = column.len;
+    let mismatches = filled_u32(runtime, 1, 0)?;
+    run(
+        runtime,
+        "wrk_str_group_check",
+        n,
+        &[
+            Arg::Buf(string_offsets(column, operator, name)?),
+            Arg::Buf(&column.values),
+            Arg::Opt(column.validity.as_ref()),
+            Arg::Buf(&groups.row_group),
+            Arg::Buf(&groups.first_row),
+            Arg::Buf(&mismatches),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    match exec::read_u32(runtime, &mismatches, 0)? {
+        0 => Ok(()),
+        rows => Err(hash_collision(operator, name, rows)),
+    }
+}
+
+/// The refusal of an operator whose string key `name` has different strings with one hash.
+pub(super) fn hash_collision(operator: &'static str, name: &str, rows: u32) -> GpuOpError {
+    GpuOpError::Unsupported {
+        operator,
+        detail: format!(
+            "{rows} row(s) of the string key `{name}` share a 64-bit hash with a different \
+             string; the CPU backend compares them"
+        ),
+    }
 }
 
 fn row_groups(
@@ -695,7 +883,7 @@ fn row_groups(
     })
 }
 
-/// Hash group-by on fixed-width key columns: the key columns, then one column per aggregate;
+/// Hash group-by on fixed-width and string key columns: the key columns, then one column per aggregate;
 /// groups in order of first occurrence, nulls equal to each other (as the CPU backend groups).
 /// Several keys are grouped one at a time: the groups so far and the next key's groups make
 /// one word per row (`group * next_groups + next_group`), grouped again.
@@ -714,11 +902,7 @@ pub fn group_by(
     };
     let n = table.rows;
     check_rows(n)?;
-    let key_groups = |key: &String| {
-        let column = column_of(table, OP, key)?;
-        let words = equality_words(runtime, column, OP)?;
-        row_groups(runtime, &words, column.validity.as_ref(), n)
-    };
+    let key_groups = |key: &String| key_groups(runtime, column_of(table, OP, key)?, OP, key);
     let mut grouped = key_groups(first_key)?;
     for key in other_keys {
         let next = key_groups(key)?;
@@ -929,7 +1113,7 @@ fn joinable(left: &DataType, right: &DataType) -> bool {
     use DataType::*;
     let int_like =
         |t: &DataType| matches!(t, Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32);
-    (left == right && storage_suffix(left).is_some())
+    (left == right && key_type_covered(left))
         || (int_like(left) && int_like(right))
         || (left.is_floating() && right.is_floating())
 }
@@ -973,36 +1157,23 @@ pub fn join(
     let n = left.rows;
     check_rows(n)?;
     check_rows(right.rows)?;
-    let left_words = equality_words(runtime, lk, OP)?;
-    let build = || JoinIndex::build(runtime, rk, &equality_words(runtime, rk, OP)?);
+    let left_words = equality_words(runtime, lk, OP, left_key)?;
+    let build = || {
+        JoinIndex::build(
+            runtime,
+            rk,
+            &equality_words(runtime, rk, OP, right_key)?,
+            right_key,
+        )
+    };
     let index = if cache_index {
         let key = &right.columns[column_index(right, OP, right_key)?];
         runtime.join_indexes.get_or_build(key, build)?
     } else {
         Arc::new(build()?)
     };
-    // Probe with every left row.
-    let match_start = alloc(runtime, n, 4)?;
-    let match_count = alloc(runtime, n, 4)?;
-    run(
-        runtime,
-        "wrk_join_probe",
-        n,
-        &[
-            Arg::Buf(&left_words),
-            Arg::Opt(lk.validity.as_ref()),
-            Arg::Buf(&index.slot_words),
-            Arg::Buf(&index.slot_run),
-            Arg::Buf(&index.slot_state),
-            Arg::U64(index.capacity as u64 - 1),
-            Arg::Buf(&index.run_starts),
-            Arg::U64(index.runs as u64),
-            Arg::U32(index.valid_rows as u32),
-            Arg::Buf(&match_start),
-            Arg::Buf(&match_count),
-            Arg::I64(n as i64),
-        ],
-    )?;
+    let (match_start, match_count) =
+        index.probe(runtime, (lk, left_key), &left_words, (rk, right_key))?;
     if matches!(how, JoinType::Semi | JoinType::Anti) {
         let flags = alloc(runtime, n, 4)?;
         run(
@@ -1235,6 +1406,65 @@ fn concat_column(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::table::upload;
+    use arrow::array::{ArrayRef, RecordBatch, StringArray};
+
+    #[test]
+    fn a_string_hash_collision_is_never_taken_for_equal_keys() {
+        let Some(runtime) = super::super::test_device("a_string_hash_collision") else {
+            return;
+        };
+        let strings = |values: &[&str]| {
+            let column = Arc::new(StringArray::from(values.to_vec())) as ArrayRef;
+            upload(
+                &runtime,
+                &RecordBatch::try_from_iter([("s", column)]).unwrap(),
+            )
+            .unwrap()
+        };
+        // Words all equal: what the kernels would see if every string had one hash.
+        let colliding = |rows| filled_u64(&runtime, rows, 7).unwrap();
+        let mixed = strings(&["a", "b", "a"]);
+        let key = mixed.columns[0].as_ref();
+
+        // A group-by: the words make one group; the check refuses it.
+        let groups = row_groups(&runtime, &colliding(3), None, 3).unwrap();
+        assert_eq!(groups.groups, 1);
+        let refused = check_string_groups(&runtime, key, &groups, "group-by", "s").unwrap_err();
+        assert!(
+            matches!(refused, GpuOpError::Unsupported { .. })
+                && refused
+                    .to_string()
+                    .contains("1 row(s) of the string key `s`"),
+            "{refused}"
+        );
+        // With the real hashes: two groups, checked.
+        assert_eq!(
+            key_groups(&runtime, key, "group-by", "s").unwrap().groups,
+            2
+        );
+
+        // A join build: a run of different strings is refused (a, b, a: two neighbours
+        // differ); a run of equal strings is one key.
+        let refused = JoinIndex::build(&runtime, key, &colliding(3), "s")
+            .err()
+            .unwrap();
+        assert!(refused.to_string().contains("2 row(s)"), "{refused}");
+        let same = strings(&["a", "a"]);
+        let build_key = same.columns[0].as_ref();
+        let index = JoinIndex::build(&runtime, build_key, &colliding(2), "s").unwrap();
+        assert_eq!(index.runs, 1);
+        // A probe: `b` finds the run by its word, and no match in it.
+        let (_, counts) = index
+            .probe(&runtime, (key, "s"), &colliding(3), (build_key, "s"))
+            .unwrap();
+        let counts: Vec<u32> = to_host(&runtime, &counts, 12)
+            .unwrap()
+            .chunks(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(counts, [2, 0, 2]);
+    }
 
     #[test]
     fn join_keys_pair_as_the_cpu_compares_them() {
@@ -1245,7 +1475,9 @@ mod tests {
         assert!(joinable(&DataType::Date32, &DataType::Date32));
         assert!(!joinable(&DataType::UInt64, &DataType::Int64));
         assert!(!joinable(&DataType::Int64, &DataType::Float64));
-        assert!(!joinable(&DataType::Utf8, &DataType::Utf8));
+        assert!(joinable(&DataType::Utf8, &DataType::Utf8));
+        assert!(!joinable(&DataType::Utf8, &DataType::Int64));
+        assert!(!joinable(&DataType::LargeUtf8, &DataType::LargeUtf8));
     }
 
     #[test]

@@ -40,6 +40,22 @@ fn xorshift(state: &mut u64) -> u64 {
     *state
 }
 
+/// The sample table's strings: prefixes of each other, an empty one, non-ASCII bytes, and
+/// lengths across several 8-byte words.
+const STRINGS: [&str; 11] = [
+    "w0",
+    "w1",
+    "w10",
+    "w3",
+    "w",
+    "",
+    "w1\u{e9}",
+    "w1\u{7f}",
+    "a string of more than sixteen bytes",
+    "a string of more than sixteen bytes!",
+    "a string of more than sixteen",
+];
+
 pub fn sample_table(rows: usize) -> RecordBatch {
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut next = move || xorshift(&mut state);
@@ -57,7 +73,7 @@ pub fn sample_table(rows: usize) -> RecordBatch {
             2 => Some(-0.0),
             _ => Some(((r >> 8) % 10_000) as f64 / 7.0 - 500.0),
         });
-        s.push((r % 13 != 0).then(|| format!("w{}", (r >> 16) % 11)));
+        s.push((r % 13 != 0).then(|| STRINGS[((r >> 16) % STRINGS.len() as u64) as usize]));
         b.push((r >> 3) % 2 == 0);
         id.push(row as i64);
     }
@@ -78,6 +94,23 @@ pub fn dimension_table() -> RecordBatch {
     let names: ArrayRef = Arc::new(StringArray::from(vec!["a", "b", "c", "d", "e", "f"]));
     RecordBatch::try_from_iter(vec![("k", keys), ("name", names)])
         .unwrap_or_else(|e| panic!("the dimension table is well formed: {e}"))
+}
+
+/// A small dimension table keyed by the string `s` (with a duplicate and a null key, and keys
+/// the sample table does not have).
+pub fn string_dimension_table() -> RecordBatch {
+    let keys: ArrayRef = Arc::new(StringArray::from(vec![
+        Some("w3"),
+        Some("w10"),
+        None,
+        Some("w3"),
+        Some("w"),
+        Some("w30"),
+        Some(""),
+    ]));
+    let ranks: ArrayRef = Arc::new(Int64Array::from(vec![1, 2, 3, 4, 5, 6, 7]));
+    RecordBatch::try_from_iter(vec![("s", keys), ("rank", ranks)])
+        .unwrap_or_else(|e| panic!("the string dimension table is well formed: {e}"))
 }
 
 /// Compares two batches: names, types, and values; floats within a relative `tolerance`
@@ -280,8 +313,16 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         alias: format!("a{i}"),
     })
     .collect();
-    // One key, and several: with nulls, a boolean, and a float key with NaN and -0.0.
-    for keys in [&["k"][..], &["k", "b"], &["b", "k"], &["k", "x", "b"]] {
+    // One key, and several: with nulls, a boolean, a float key with NaN and -0.0, and strings.
+    for keys in [
+        &["k"][..],
+        &["k", "b"],
+        &["b", "k"],
+        &["k", "x", "b"],
+        &["s"],
+        &["s", "k"],
+        &["b", "s"],
+    ] {
         let operator = format!("group-by {keys:?}");
         let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
         let d = ops::group_by(runtime, &device, &keys, &aggregates)
@@ -320,6 +361,33 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         .map_err(|e| failed("sort")(e.to_string()))?;
     let h = cpu::sort::sort(table, &sort_keys).map_err(|e| failed("sort")(e.to_string()))?;
     compare("sort", &d, &h, 0.0)?;
+    // By strings each way (nulls last, then first), then by the integer key and the id.
+    for descending in [false, true] {
+        let string_keys = [
+            SortKey {
+                column: "s".into(),
+                descending,
+                nulls_first: descending,
+            },
+            SortKey {
+                column: "k".into(),
+                descending: !descending,
+                nulls_first: false,
+            },
+            SortKey {
+                column: "id".into(),
+                descending: false,
+                nulls_first: false,
+            },
+        ];
+        let operator = format!("sort by strings (descending: {descending})");
+        let d = ops::sort(runtime, &device, &string_keys)
+            .and_then(|t| Ok(download(runtime, &t)?))
+            .map_err(|e| failed(&operator)(e.to_string()))?;
+        let h =
+            cpu::sort::sort(table, &string_keys).map_err(|e| failed(&operator)(e.to_string()))?;
+        compare(&operator, &d, &h, 0.0)?;
+    }
     let k = table.num_rows() as u64 / 3 + 1;
     let d = ops::top_k(runtime, &device, &sort_keys, k)
         .and_then(|t| Ok(download(runtime, &t)?))
@@ -349,31 +417,33 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         .map_err(|e| failed("with-columns")(e.to_string()))?;
     compare("with-columns", &d, &h, 1e-12)?;
 
-    // Joins with the (smaller) dimension table: the CPU builds on it too, so orders agree.
-    let dimension = dimension_table();
-    let dim = upload(runtime, &dimension).map_err(|e| failed("join")(e.to_string()))?;
-    // Each kind with an index of its own, then with the one the worker's cache keeps for a
-    // shared table (built by the first join, probed by the others).
-    let on = ["k".to_string()];
-    for cache_index in [false, true] {
-        for how in [
-            JoinType::Inner,
-            JoinType::Left,
-            JoinType::Semi,
-            JoinType::Anti,
-        ] {
-            let operator = format!("{how:?} join (cached index: {cache_index})");
-            let d = ops::join(runtime, &device, &dim, &on, &on, how, cache_index)
-                .and_then(|t| Ok(download(runtime, &t)?))
-                .map_err(|e| failed(&operator)(e.to_string()))?;
-            let h = cpu::join::join(table, &dimension, &on, &on, how)
-                .map_err(|e| failed(&operator)(e.to_string()))?;
-            compare(&operator, &d, &h, 0.0)?;
+    // Joins with the (smaller) dimension tables, on an integer and on a string key: the CPU
+    // builds on them too, so orders agree.
+    for (dimension, key) in [(dimension_table(), "k"), (string_dimension_table(), "s")] {
+        let dim = upload(runtime, &dimension).map_err(|e| failed("join")(e.to_string()))?;
+        // Each kind with an index of its own, then with the one the worker's cache keeps for
+        // a shared table (built by the first join, probed by the others).
+        let on = [key.to_string()];
+        for cache_index in [false, true] {
+            for how in [
+                JoinType::Inner,
+                JoinType::Left,
+                JoinType::Semi,
+                JoinType::Anti,
+            ] {
+                let operator = format!("{how:?} join on `{key}` (cached index: {cache_index})");
+                let d = ops::join(runtime, &device, &dim, &on, &on, how, cache_index)
+                    .and_then(|t| Ok(download(runtime, &t)?))
+                    .map_err(|e| failed(&operator)(e.to_string()))?;
+                let h = cpu::join::join(table, &dimension, &on, &on, how)
+                    .map_err(|e| failed(&operator)(e.to_string()))?;
+                compare(&operator, &d, &h, 0.0)?;
+            }
         }
+        // The dimension table goes: so does its cached index.
+        drop(dim);
+        runtime.join_indexes.purge_dropped();
     }
-    // The dimension table goes: so does its cached index.
-    drop(dim);
-    runtime.join_indexes.purge_dropped();
 
     // Concat of the table with itself.
     let d = ops::concat(runtime, &[&device, &device])
@@ -440,9 +510,10 @@ mod tests {
             compare_all(&runtime, &sample_table(rows))
                 .unwrap_or_else(|e| panic!("{rows} rows: {e}"));
         }
-        // Per size: one index built for the cached joins, probed by the other three.
+        // Per size and dimension table: one index built for the cached joins, probed by the
+        // other three.
         let joins = runtime.join_indexes.stats();
-        assert_eq!((joins.builds, joins.hits), (5, 15), "{joins:?}");
+        assert_eq!((joins.builds, joins.hits), (10, 30), "{joins:?}");
         assert_eq!(joins.entries, 0, "the dimension table's index went with it");
         let stats = runtime.pool.stats();
         assert_eq!(stats.used, 0, "every device buffer went back to the pool");

@@ -326,6 +326,101 @@ WRK_EQ_WORD_KERNEL(wrk_eq_word_u64, unsigned long long, values[i])
 WRK_EQ_WORD_KERNEL(wrk_eq_word_f32, float, wrk_double_bits((double)values[i]))
 WRK_EQ_WORD_KERNEL(wrk_eq_word_f64, double, wrk_double_bits(values[i]))
 
+// String keys have no exact 64-bit word: their equality word is the XXH64 of their bytes, and
+// the operators check that rows with equal words hold equal strings (the kernels below), so a
+// hash collision never merges two keys (group-by and the join build refuse, the probe drops
+// the false match).
+WRK_HD int wrk_str_equal(const int* a_offsets, const wrk_u8* a_bytes, wrk_u32 a, const int* b_offsets,
+                         const wrk_u8* b_bytes, wrk_u32 b) {
+    int len = a_offsets[a + 1] - a_offsets[a];
+    if (len != b_offsets[b + 1] - b_offsets[b]) return 0;
+    const wrk_u8* p = a_bytes + a_offsets[a];
+    const wrk_u8* q = b_bytes + b_offsets[b];
+    for (int i = 0; i < len; i++)
+        if (p[i] != q[i]) return 0;
+    return 1;
+}
+
+extern "C" __global__ void wrk_eq_word_str(const int* offsets, const wrk_u8* bytes, wrk_u64* words, wrk_i64 n) {
+    WRK_ROWS(i, n) { words[i] = wrk_xxh64(bytes + offsets[i], (wrk_u64)(offsets[i + 1] - offsets[i])); }
+}
+
+// Counts the valid rows whose string differs from their group's first row's.
+extern "C" __global__ void wrk_str_group_check(const int* offsets, const wrk_u8* bytes, const wrk_u8* valid,
+                                               const wrk_u32* row_group, const wrk_u32* group_first_row,
+                                               wrk_u32* mismatches, wrk_i64 n) {
+    WRK_ROWS(i, n) {
+        if (WRK_VALID(valid, i) &&
+            !wrk_str_equal(offsets, bytes, (wrk_u32)i, offsets, bytes, group_first_row[row_group[i]]))
+            atomicAdd(mismatches, 1u);
+    }
+}
+
+// Counts the build rows (sorted by word: `order` into `words`, `rows` the table rows in that
+// order) whose word equals their predecessor's but whose string does not.
+extern "C" __global__ void wrk_str_run_check(const int* offsets, const wrk_u8* bytes, const wrk_u64* words,
+                                             const wrk_u32* order, const wrk_u32* rows, wrk_u32* mismatches,
+                                             wrk_i64 n) {
+    WRK_ROWS(i, n) {
+        if (i > 0 && words[order[i]] == words[order[i - 1]] &&
+            !wrk_str_equal(offsets, bytes, rows[i], offsets, bytes, rows[i - 1]))
+            atomicAdd(mismatches, 1u);
+    }
+}
+
+// Drops a probe row's match when its string differs from the matched run's (whose strings are
+// all equal, so it has no match at all).
+extern "C" __global__ void wrk_str_probe_check(const int* probe_offsets, const wrk_u8* probe_bytes,
+                                               const int* build_offsets, const wrk_u8* build_bytes,
+                                               const wrk_u32* build_order, const wrk_u32* match_start,
+                                               wrk_u32* match_count, wrk_i64 n) {
+    WRK_ROWS(i, n) {
+        if (match_count[i] > 0 && !wrk_str_equal(probe_offsets, probe_bytes, (wrk_u32)i, build_offsets,
+                                                 build_bytes, build_order[match_start[i]]))
+            match_count[i] = 0;
+    }
+}
+
+// The longest of the strings at `rows` (atomicMax into `longest`, which starts at 0).
+extern "C" __global__ void wrk_str_longest(const int* offsets, const wrk_u32* rows, wrk_u32* longest, wrk_i64 m) {
+    WRK_ROWS(j, m) {
+        wrk_u32 r = rows[j];
+        atomicMax(longest, (wrk_u32)(offsets[r + 1] - offsets[r]));
+    }
+}
+
+// Order words of strings, compared as byte strings (Rust's `str` order): the strings at `rows`
+// read as big-endian words of 8 bytes, zero-padded; bytes [8 * chunk, 8 * chunk + 8) here. With
+// their lengths last (`chunk` < 0), an LSD sort by length, then chunks from the last to the
+// first, orders them; descending inverts every word.
+extern "C" __global__ void wrk_str_order_word(const int* offsets, const wrk_u8* bytes, const wrk_u32* rows,
+                                              int chunk, int descending, wrk_u64* words, wrk_i64 m) {
+    WRK_ROWS(j, m) {
+        wrk_u32 r = rows[j];
+        int start = offsets[r], len = offsets[r + 1] - start;
+        wrk_u64 w = 0;
+        if (chunk < 0) {
+            w = (wrk_u64)len;
+        } else {
+            for (int b = 0; b < 8; b++) {
+                int at = chunk * 8 + b;
+                w = (w << 8) | (at < len ? (wrk_u64)bytes[start + at] : 0ULL);
+            }
+        }
+        words[j] = descending ? ~w : w;
+    }
+}
+
+// rank[order[j]] = j: the place of each group in sorted order.
+extern "C" __global__ void wrk_ranks(const wrk_u32* order, wrk_u32* rank, wrk_i64 m) {
+    WRK_ROWS(j, m) { rank[order[j]] = (wrk_u32)j; }
+}
+
+// Each row's word: its group's rank.
+extern "C" __global__ void wrk_rank_words(const wrk_u32* row_group, const wrk_u32* rank, wrk_u64* words, wrk_i64 n) {
+    WRK_ROWS(i, n) { words[i] = (wrk_u64)rank[row_group[i]]; }
+}
+
 // Order words: unsigned order of the word is the key order (signed: sign bit flipped; floats:
 // IEEE total order, as f64::total_cmp); descending inverts the word; a null row's word is 0 (its
 // place is decided by a separate null pass, so nulls keep their relative order).
