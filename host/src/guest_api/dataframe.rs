@@ -428,6 +428,12 @@ impl HostTable for TaskState {
         &mut self,
         tables: Vec<Resource<TaskTable>>,
     ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
+        // One table is its own concatenation: a new handle on it, with no copy, and a
+        // broadcast input stays shared (joins keep using the worker's index on it).
+        if let [only] = tables.as_slice() {
+            let table = self.table.get(only)?.clone();
+            return Ok(Ok(self.table.push(table)?));
+        }
         let inputs: Vec<&Resource<TaskTable>> = tables.iter().collect();
         let device: DeviceOp = &|gpu, tables| gpu_ops::concat(gpu, tables);
         self.table_op("concat", &inputs, Some(device), |tables| {
