@@ -12,8 +12,9 @@
 //! - [`sort`]: stable LSD radix sort of order-preserving key words, any number of fixed-width
 //!   or string keys, ascending or descending, nulls first or last (a string key sorts its
 //!   distinct strings, then the rows by their string's rank);
-//! - [`join`] on one key pair, fixed-width or strings: inner, left, semi, anti (build on the
-//!   right table: its valid rows sorted by key, runs hashed; probe with the left);
+//! - [`join`] on fixed-width or string keys: inner, left, semi, anti (build on the right
+//!   table: its valid rows sorted by key, runs hashed; probe with the left); several key
+//!   pairs are grouped over both tables at once into one word per row;
 //! - [`concat`] of tables with the same columns;
 //! - [`aggregate`] over the whole table (a group-by on a key every row shares);
 //! - [`select`], [`with_columns`] (columns shared with the input, not copied), [`slice`] and
@@ -23,7 +24,7 @@
 //! equal are compared byte for byte, so a collision never merges two keys (a group-by or a
 //! join build that meets one is refused, a probe drops the false match).
 //!
-//! What a kernel does not cover yet (several join keys, count-distinct, string expressions,
+//! What a kernel does not cover yet (count-distinct, string expressions,
 //! an empty table's aggregate, strings longer than [`SORT_STRING_BYTES`] as sort keys) is
 //! refused with [`GpuOpError::Unsupported`]: the
 //! caller keeps that operator on the CPU backend.
@@ -43,7 +44,7 @@ use super::table::{DeviceColumn, DeviceTable, TableError, to_host, value_width};
 use crate::cpu::join::JoinType;
 use crate::cpu::ops::{Aggregate, AggregateFn};
 use crate::cpu::sort::SortKey;
-use crate::expr::{Expr, ExprError};
+use crate::expr::{Expr, ExprError, Literal};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuOpError {
@@ -142,7 +143,8 @@ fn storage_suffix(data_type: &DataType) -> Option<&'static str> {
 /// [`super::table::device_schema`]). These `covers` checks let a caller keep a table off the
 /// device for an operator that would refuse it; each operator checks again and says why.
 pub fn expression_covers(schema: &Schema, expr: &Expr) -> bool {
-    matches!(expr, Expr::Column(_)) || fused::generate(expr, schema).is_ok()
+    matches!(expr, Expr::Column(_) | Expr::Literal(Literal::Utf8(_)))
+        || fused::generate(expr, schema).is_ok()
 }
 
 /// Whether the kernels group, join and sort by a key of this type: fixed-width or strings.
@@ -181,19 +183,20 @@ pub fn aggregate_covers(aggregates: &[Aggregate]) -> bool {
         .all(|a| a.function != AggregateFn::CountDistinct)
 }
 
-/// Whether the kernels cover joining tables of `left` and `right` on these keys: one key on
-/// each side, of types the kernels compare as the CPU backend does.
+/// Whether the kernels cover joining tables of `left` and `right` on these keys: pairs of
+/// types the kernels compare as the CPU backend does.
 pub fn join_covers(left: &Schema, right: &Schema, left_on: &[String], right_on: &[String]) -> bool {
-    let ([left_key], [right_key]) = (left_on, right_on) else {
-        return false;
-    };
-    match (
-        left.field_with_name(left_key),
-        right.field_with_name(right_key),
-    ) {
-        (Ok(l), Ok(r)) => joinable(l.data_type(), r.data_type()),
-        _ => false,
-    }
+    !left_on.is_empty()
+        && left_on.len() == right_on.len()
+        && left_on.iter().zip(right_on).all(|(left_key, right_key)| {
+            match (
+                left.field_with_name(left_key),
+                right.field_with_name(right_key),
+            ) {
+                (Ok(l), Ok(r)) => joinable(l.data_type(), r.data_type()),
+                _ => false,
+            }
+        })
 }
 
 /// Fields to build a new schema from.
@@ -213,8 +216,10 @@ pub fn evaluate(
     table: &DeviceTable,
     expr: &Expr,
 ) -> Result<DeviceColumn, GpuOpError> {
-    if let Expr::Column(name) = expr {
-        return copy_column(runtime, column_of(table, "evaluate", name)?);
+    match expr {
+        Expr::Column(name) => return copy_column(runtime, column_of(table, "evaluate", name)?),
+        Expr::Literal(Literal::Utf8(text)) => return repeated_string(runtime, text, table.rows),
+        _ => {}
     }
     let kernel = fused::generate(expr, &table.schema)?;
     let function = runtime.kernels.fused(&kernel)?;
@@ -263,6 +268,45 @@ pub fn evaluate(
         values: out,
         offsets: None,
         validity: Some(out_valid),
+    })
+}
+
+/// A string column of `rows` copies of `text` (a string literal as a column, such as a
+/// constant label added to a table).
+fn repeated_string(
+    runtime: &GpuRuntime,
+    text: &str,
+    rows: usize,
+) -> Result<DeviceColumn, GpuOpError> {
+    let len = text.len();
+    let total = rows
+        .checked_mul(len)
+        .filter(|total| i32::try_from(*total).is_ok())
+        .ok_or_else(|| GpuOpError::Unsupported {
+            operator: "evaluate",
+            detail: format!("{rows} copies of a {len}-byte string exceed 32-bit offsets"),
+        })?;
+    let literal = super::table::to_device(runtime, text.as_bytes())?;
+    let offsets = alloc(runtime, rows + 1, 4)?;
+    let bytes = alloc(runtime, total, 1)?;
+    run(
+        runtime,
+        "wrk_repeat_str",
+        rows + 1,
+        &[
+            Arg::Buf(&literal),
+            Arg::I32(len as i32),
+            Arg::Buf(&offsets),
+            Arg::Buf(&bytes),
+            Arg::I64(rows as i64),
+        ],
+    )?;
+    Ok(DeviceColumn {
+        data_type: DataType::Utf8,
+        len: rows,
+        values: bytes,
+        offsets: Some(offsets),
+        validity: None,
     })
 }
 
@@ -1118,9 +1162,10 @@ fn joinable(left: &DataType, right: &DataType) -> bool {
         || (left.is_floating() && right.is_floating())
 }
 
-/// Joins `left` with `right` on `left_on = right_on` (one key each). The index is built on
-/// `right`; with `cache_index` (a table the worker's tasks share) it comes from, or goes to,
-/// the worker's cache (`join_index`).
+/// Joins `left` with `right` on `left_on = right_on`. The index is built on `right`; with one
+/// key each and `cache_index` (a table the worker's tasks share) it comes from, or goes to,
+/// the worker's cache (`join_index`). Several keys are joined on the words of
+/// [`joint_key_columns`].
 pub fn join(
     runtime: &GpuRuntime,
     left: &DeviceTable,
@@ -1131,32 +1176,49 @@ pub fn join(
     cache_index: bool,
 ) -> Result<DeviceTable, GpuOpError> {
     const OP: &str = "join";
-    let ([left_key], [right_key]) = (left_on, right_on) else {
-        return Err(GpuOpError::Unsupported {
+    if left_on.len() != right_on.len() || left_on.is_empty() {
+        return Err(GpuOpError::Invalid {
             operator: OP,
             detail: format!(
-                "{} and {} key columns (the kernels take one each)",
+                "{} left and {} right key columns (they pair up, at least one each)",
                 left_on.len(),
                 right_on.len()
             ),
         });
-    };
-    let (lk, rk) = (
-        column_of(left, OP, left_key)?,
-        column_of(right, OP, right_key)?,
-    );
-    if !joinable(&lk.data_type, &rk.data_type) {
-        return Err(GpuOpError::Unsupported {
-            operator: OP,
-            detail: format!(
-                "keys of types {} and {} have no kernel yet",
-                lk.data_type, rk.data_type
-            ),
-        });
+    }
+    for (left_key, right_key) in left_on.iter().zip(right_on) {
+        let (l, r) = (
+            column_of(left, OP, left_key)?,
+            column_of(right, OP, right_key)?,
+        );
+        if !joinable(&l.data_type, &r.data_type) {
+            return Err(GpuOpError::Unsupported {
+                operator: OP,
+                detail: format!(
+                    "keys `{left_key}` and `{right_key}` of types {} and {} have no kernel yet",
+                    l.data_type, r.data_type
+                ),
+            });
+        }
     }
     let n = left.rows;
     check_rows(n)?;
     check_rows(right.rows)?;
+    check_rows(n + right.rows)?;
+    let joint;
+    let (lk, rk, left_key, right_key) = match (left_on, right_on) {
+        ([left_key], [right_key]) => (
+            column_of(left, OP, left_key)?,
+            column_of(right, OP, right_key)?,
+            left_key.as_str(),
+            right_key.as_str(),
+        ),
+        _ => {
+            joint = joint_key_columns(runtime, left, right, left_on, right_on)?;
+            (&joint.0, &joint.1, "the left keys", "the right keys")
+        }
+    };
+    let cache_index = cache_index && right_on.len() == 1;
     let left_words = equality_words(runtime, lk, OP, left_key)?;
     let build = || {
         JoinIndex::build(
@@ -1167,7 +1229,7 @@ pub fn join(
         )
     };
     let index = if cache_index {
-        let key = &right.columns[column_index(right, OP, right_key)?];
+        let key = &right.columns[column_index(right, OP, &right_on[0])?];
         runtime.join_indexes.get_or_build(key, build)?
     } else {
         Arc::new(build()?)
@@ -1252,6 +1314,96 @@ pub fn join(
     })
 }
 
+/// The key tuples of a join on several keys as one `UInt64` column per table (its words), null
+/// where any key is null (such a row matches nothing). Equal tuples get equal words on both
+/// sides because the two tables' keys are grouped together: each key pair's values, left rows
+/// then right rows, are grouped (strings by checked hashes, see [`key_groups`]), and each
+/// row's groups so far and its next key's group make the next word, as in [`group_by`].
+fn joint_key_columns(
+    runtime: &GpuRuntime,
+    left: &DeviceTable,
+    right: &DeviceTable,
+    left_on: &[String],
+    right_on: &[String],
+) -> Result<(DeviceColumn, DeviceColumn), GpuOpError> {
+    const OP: &str = "join";
+    let (n_left, n_right) = (left.rows, right.rows);
+    let n = n_left + n_right;
+    let mut valid: Option<super::pool::DeviceBuffer> = None;
+    let mut grouped: Option<RowGroups> = None;
+    let mut words = None;
+    for (i, (left_key, right_key)) in left_on.iter().zip(right_on).enumerate() {
+        let pair = [
+            column_of(left, OP, left_key)?,
+            column_of(right, OP, right_key)?,
+        ];
+        let pair_validity = concat_validity(runtime, &pair, n)?;
+        let groups = if pair[0].data_type == DataType::Utf8 {
+            let both = concat_column(runtime, &pair, n)?;
+            key_groups(runtime, &both, OP, left_key)?
+        } else {
+            let mut both = alloc(runtime, n, 8)?;
+            let left_words = equality_words(runtime, pair[0], OP, left_key)?;
+            copy_into(runtime, &left_words, n_left * 8, &mut both, 0)?;
+            let right_words = equality_words(runtime, pair[1], OP, right_key)?;
+            copy_into(runtime, &right_words, n_right * 8, &mut both, n_left * 8)?;
+            row_groups(runtime, &both, pair_validity.as_ref(), n)?
+        };
+        if let Some(pair_validity) = &pair_validity {
+            let all = match valid.take() {
+                Some(all) => all,
+                None => filled_u8(runtime, n, 1)?,
+            };
+            run(
+                runtime,
+                "wrk_valid_and",
+                n,
+                &[Arg::Buf(pair_validity), Arg::Buf(&all), Arg::I64(n as i64)],
+            )?;
+            valid = Some(all);
+        }
+        grouped = Some(match grouped.take() {
+            None => groups,
+            Some(so_far) => {
+                let combined = alloc(runtime, n, 8)?;
+                run(
+                    runtime,
+                    "wrk_combine_groups",
+                    n,
+                    &[
+                        Arg::Buf(&so_far.row_group),
+                        Arg::U64(groups.groups as u64),
+                        Arg::Buf(&groups.row_group),
+                        Arg::Buf(&combined),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
+                if i + 1 == left_on.len() {
+                    words = Some(combined);
+                    break;
+                }
+                row_groups(runtime, &combined, None, n)?
+            }
+        });
+    }
+    let words = words.ok_or_else(|| GpuOpError::Invalid {
+        operator: OP,
+        detail: "joint keys need at least two key pairs".into(),
+    })?;
+    let joint = DeviceColumn {
+        data_type: DataType::UInt64,
+        len: n,
+        values: words,
+        offsets: None,
+        validity: valid,
+    };
+    let side = |start: usize, rows: usize| -> Result<DeviceColumn, GpuOpError> {
+        let indices = iota(runtime, start as u32, rows)?;
+        Ok(gather_column(runtime, &joint, &indices, rows, false)?)
+    };
+    Ok((side(0, n_left)?, side(n_left, n_right)?))
+}
+
 /// The rows of `tables` one after the other (same column names and types).
 pub fn concat(runtime: &GpuRuntime, tables: &[&DeviceTable]) -> Result<DeviceTable, GpuOpError> {
     const OP: &str = "concat";
@@ -1317,29 +1469,38 @@ fn copy_into(
     Ok(())
 }
 
+/// The validity of `parts` one after the other (`rows` in all), or `None` when no part has
+/// nulls.
+fn concat_validity(
+    runtime: &GpuRuntime,
+    parts: &[&DeviceColumn],
+    rows: usize,
+) -> Result<Option<super::pool::DeviceBuffer>, GpuOpError> {
+    if parts.iter().all(|p| p.validity.is_none()) {
+        return Ok(None);
+    }
+    let mut out = alloc(runtime, rows, 1)?;
+    let mut at = 0;
+    for p in parts {
+        match &p.validity {
+            Some(v) => copy_into(runtime, v, p.len, &mut out, at)?,
+            None => {
+                let ones = filled_u8(runtime, p.len, 1)?;
+                copy_into(runtime, &ones, p.len, &mut out, at)?;
+            }
+        }
+        at += p.len;
+    }
+    Ok(Some(out))
+}
+
 fn concat_column(
     runtime: &GpuRuntime,
     parts: &[&DeviceColumn],
     rows: usize,
 ) -> Result<DeviceColumn, GpuOpError> {
     let data_type = parts[0].data_type.clone();
-    let validity = if parts.iter().any(|p| p.validity.is_some()) {
-        let mut out = alloc(runtime, rows, 1)?;
-        let mut at = 0;
-        for p in parts {
-            match &p.validity {
-                Some(v) => copy_into(runtime, v, p.len, &mut out, at)?,
-                None => {
-                    let ones = filled_u8(runtime, p.len, 1)?;
-                    copy_into(runtime, &ones, p.len, &mut out, at)?;
-                }
-            }
-            at += p.len;
-        }
-        Some(out)
-    } else {
-        None
-    };
+    let validity = concat_validity(runtime, parts, rows)?;
     let (values, offsets) = if data_type == DataType::Utf8 {
         let mut lengths = Vec::with_capacity(parts.len());
         for p in parts {
@@ -1478,6 +1639,37 @@ mod tests {
         assert!(joinable(&DataType::Utf8, &DataType::Utf8));
         assert!(!joinable(&DataType::Utf8, &DataType::Int64));
         assert!(!joinable(&DataType::LargeUtf8, &DataType::LargeUtf8));
+
+        let schema = |fields: &[(&str, DataType)]| {
+            Schema::new(
+                fields
+                    .iter()
+                    .map(|(name, t)| Field::new(*name, t.clone(), true))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let left = schema(&[("a", DataType::Int32), ("b", DataType::Utf8)]);
+        let right = schema(&[("x", DataType::Int64), ("y", DataType::Utf8)]);
+        let keys = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert!(join_covers(
+            &left,
+            &right,
+            &keys(&["a", "b"]),
+            &keys(&["x", "y"])
+        ));
+        assert!(!join_covers(
+            &left,
+            &right,
+            &keys(&["a", "b"]),
+            &keys(&["y", "x"])
+        ));
+        assert!(!join_covers(
+            &left,
+            &right,
+            &keys(&["a"]),
+            &keys(&["x", "y"])
+        ));
+        assert!(!join_covers(&left, &right, &[], &[]));
     }
 
     #[test]

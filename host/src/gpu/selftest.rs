@@ -113,6 +113,33 @@ pub fn string_dimension_table() -> RecordBatch {
         .unwrap_or_else(|e| panic!("the string dimension table is well formed: {e}"))
 }
 
+/// A small dimension table keyed by the pair (`k`, `s`), with duplicate and null keys.
+pub fn pair_dimension_table() -> RecordBatch {
+    let k: ArrayRef = Arc::new(Int64Array::from(vec![
+        Some(-3),
+        Some(-1),
+        Some(0),
+        Some(2),
+        Some(2),
+        None,
+        Some(2),
+        Some(-3),
+    ]));
+    let s: ArrayRef = Arc::new(StringArray::from(vec![
+        Some("w3"),
+        Some("w10"),
+        Some("w1"),
+        Some("w3"),
+        Some("w3"),
+        Some("w0"),
+        None,
+        Some(""),
+    ]));
+    let ranks: ArrayRef = Arc::new(Int64Array::from((1..=8).collect::<Vec<i64>>()));
+    RecordBatch::try_from_iter(vec![("k", k), ("s", s), ("rank", ranks)])
+        .unwrap_or_else(|e| panic!("the pair dimension table is well formed: {e}"))
+}
+
 /// Compares two batches: names, types, and values; floats within a relative `tolerance`
 /// (0 for exact), NaN equal to NaN.
 pub fn compare(
@@ -404,10 +431,21 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         compare("slice", &d, &cpu::ops::slice(table, offset, length), 0.0)?;
     }
 
-    // New and replaced columns (one a renamed column), then a selection of them.
+    // New and replaced columns (one a renamed column, one a constant string), then a
+    // selection of them.
     let renamed = Expr::col("x");
-    let added = [("e".to_string(), &expr), ("k".to_string(), &renamed)];
-    let names = ["e".to_string(), "id".to_string(), "k".to_string()];
+    let label = Expr::Literal(Literal::Utf8("unknown \u{2713}".into()));
+    let added = [
+        ("e".to_string(), &expr),
+        ("k".to_string(), &renamed),
+        ("label".to_string(), &label),
+    ];
+    let names = [
+        "e".to_string(),
+        "id".to_string(),
+        "k".to_string(),
+        "label".to_string(),
+    ];
     let d = ops::with_columns(runtime, &device, &added)
         .and_then(|t| ops::select(&t, &names))
         .and_then(|t| Ok(download(runtime, &t)?))
@@ -418,12 +456,17 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
     compare("with-columns", &d, &h, 1e-12)?;
 
     // Joins with the (smaller) dimension tables, on an integer and on a string key: the CPU
-    // builds on them too, so orders agree.
-    for (dimension, key) in [(dimension_table(), "k"), (string_dimension_table(), "s")] {
+    // builds on them too, so orders agree;
+    // and on both (an index of the join's own whether cached or not).
+    for (dimension, on) in [
+        (dimension_table(), &["k"][..]),
+        (string_dimension_table(), &["s"]),
+        (pair_dimension_table(), &["k", "s"]),
+    ] {
         let dim = upload(runtime, &dimension).map_err(|e| failed("join")(e.to_string()))?;
         // Each kind with an index of its own, then with the one the worker's cache keeps for
         // a shared table (built by the first join, probed by the others).
-        let on = [key.to_string()];
+        let on: Vec<String> = on.iter().map(|k| k.to_string()).collect();
         for cache_index in [false, true] {
             for how in [
                 JoinType::Inner,
@@ -431,7 +474,7 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
                 JoinType::Semi,
                 JoinType::Anti,
             ] {
-                let operator = format!("{how:?} join on `{key}` (cached index: {cache_index})");
+                let operator = format!("{how:?} join on {on:?} (cached index: {cache_index})");
                 let d = ops::join(runtime, &device, &dim, &on, &on, how, cache_index)
                     .and_then(|t| Ok(download(runtime, &t)?))
                     .map_err(|e| failed(&operator)(e.to_string()))?;

@@ -267,12 +267,15 @@ fn jobs_on_a_gpu_worker_run_on_the_device_and_match_the_cpu() {
         match example {
             "fare-stats" => assert_eq!(group_bys, (3.0, 0.0), "{after}"),
             // Per trips file, the fares per borough of the known zones and of the unknown
-            // (whose constant borough column is made on the CPU backend, then uploaded); the
-            // merge's group-by and sort by borough.
+            // (after a constant borough column is added); the merge's group-by and sort by
+            // borough. Every operator of the job ran on the device.
             "zone-join" => {
                 assert_eq!(group_bys, (5.0, 0.0), "{after}");
                 assert_eq!(ran("sort", "device"), 1.0, "{after}");
-                assert_eq!(ran("with-columns", "host"), 2.0, "{after}");
+                assert_eq!(ran("with-columns", "device"), 2.0, "{after}");
+                for operator in ["join", "concat", "select", "with-columns", "sort"] {
+                    assert_eq!(ran(operator, "host"), 0.0, "{operator}: {after}");
+                }
                 // The zones went to the device once, for both join tasks, each joining twice
                 // (inner, then anti): the first join built the index on them, the other three
                 // probed it (an upload per task would make an index per task). The counter

@@ -288,6 +288,16 @@ extern "C" __global__ void wrk_offsets_to_i32(const wrk_u32* positions, wrk_u32 
     WRK_ROWS(j, m + 1) { offsets[j] = (int)(j < m ? positions[j] : total); }
 }
 
+// n copies of a `len`-byte string: offsets (n + 1 of them, the kernel launched over n + 1 rows)
+// and bytes.
+extern "C" __global__ void wrk_repeat_str(const wrk_u8* text, int len, int* offsets, wrk_u8* bytes, wrk_i64 n) {
+    WRK_ROWS(i, n + 1) {
+        offsets[i] = (int)(i * len);
+        if (i < n)
+            for (int b = 0; b < len; b++) bytes[i * len + b] = text[b];
+    }
+}
+
 // Concat: dst[i] = src[i] + delta (string offsets of a table appended after others).
 extern "C" __global__ void wrk_offsets_shift(const int* src, int delta, int* dst, wrk_i64 count) {
     WRK_ROWS(i, count) { dst[i] = src[i] + delta; }
@@ -552,6 +562,12 @@ extern "C" __global__ void wrk_number_groups(const wrk_u32* used_slots, const wr
 extern "C" __global__ void wrk_combine_groups(const wrk_u32* group, wrk_u64 next_groups, const wrk_u32* next_group,
                                               wrk_u64* words, wrk_i64 n) {
     WRK_ROWS(i, n) { words[i] = (wrk_u64)group[i] * next_groups + (wrk_u64)next_group[i]; }
+}
+
+// acc[i] stays 1 only where valid[i] is 1 too (a row of a join on several keys is null when
+// any of its keys is).
+extern "C" __global__ void wrk_valid_and(const wrk_u8* valid, wrk_u8* acc, wrk_i64 n) {
+    WRK_ROWS(i, n) { acc[i] = (acc[i] != 0 && valid[i] != 0) ? 1 : 0; }
 }
 
 extern "C" __global__ void wrk_row_groups(const wrk_u32* row_slot, const wrk_u32* group_of_slot, wrk_u32* row_group,
