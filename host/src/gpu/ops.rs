@@ -8,13 +8,14 @@
 //! - [`group_by`] on fixed-width and string keys: a hash table built with atomics, groups
 //!   numbered by first occurrence (several keys grouped one at a time, each row's groups so far
 //!   and its next key's group making the next word to group), sum/count/mean/min/max with
-//!   atomics;
+//!   atomics, count-distinct by grouping (group, value) pairs;
 //! - [`sort`]: stable LSD radix sort of order-preserving key words, any number of fixed-width
 //!   or string keys, ascending or descending, nulls first or last (a string key sorts its
 //!   distinct strings, then the rows by their string's rank);
 //! - [`join`] on fixed-width or string keys: inner, left, semi, anti (build on the right
 //!   table: its valid rows sorted by key, runs hashed; probe with the left); several key
 //!   pairs are grouped over both tables at once into one word per row;
+//! - [`distinct`]: the first row of each group of some or all columns;
 //! - [`concat`] of tables with the same columns;
 //! - [`aggregate`] over the whole table (a group-by on a key every row shares);
 //! - [`select`], [`with_columns`] (columns shared with the input, not copied), [`slice`] and
@@ -24,10 +25,9 @@
 //! equal are compared byte for byte, so a collision never merges two keys (a group-by or a
 //! join build that meets one is refused, a probe drops the false match).
 //!
-//! What a kernel does not cover yet (count-distinct, string expressions,
-//! an empty table's aggregate, strings longer than [`SORT_STRING_BYTES`] as sort keys) is
-//! refused with [`GpuOpError::Unsupported`]: the
-//! caller keeps that operator on the CPU backend.
+//! What a kernel does not cover yet (string expressions other than a literal, an empty
+//! table's aggregate, strings longer than [`SORT_STRING_BYTES`] as sort keys) is refused with
+//! [`GpuOpError::Unsupported`]: the caller keeps that operator on the CPU backend.
 
 use std::sync::Arc;
 
@@ -165,22 +165,36 @@ pub fn sort_covers(schema: &Schema, keys: &[SortKey]) -> bool {
 /// Whether the kernels cover a group-by of a table of `schema`: fixed-width or string keys,
 /// no count-distinct.
 pub fn group_by_covers(schema: &Schema, keys: &[String], aggregates: &[Aggregate]) -> bool {
-    !keys.is_empty()
-        && keys.iter().all(|key| {
-            schema
-                .field_with_name(key)
-                .is_ok_and(|f| key_type_covered(f.data_type()))
-        })
-        && aggregates
-            .iter()
-            .all(|a| a.function != AggregateFn::CountDistinct)
+    !keys.is_empty() && keys_covered(schema, keys) && aggregate_covers(schema, aggregates)
 }
 
-/// Whether the kernels cover aggregating a table of `schema` whole: no count-distinct.
-pub fn aggregate_covers(aggregates: &[Aggregate]) -> bool {
+/// Whether every one of `columns` of `schema` is a key type the kernels group by.
+fn keys_covered<'a>(schema: &Schema, columns: impl IntoIterator<Item = &'a String>) -> bool {
+    columns.into_iter().all(|name| {
+        schema
+            .field_with_name(name)
+            .is_ok_and(|f| key_type_covered(f.data_type()))
+    })
+}
+
+/// Whether the kernels cover these aggregates over a table of `schema` (a count-distinct
+/// groups its column, which must be a key type).
+pub fn aggregate_covers(schema: &Schema, aggregates: &[Aggregate]) -> bool {
     aggregates
         .iter()
-        .all(|a| a.function != AggregateFn::CountDistinct)
+        .all(|a| a.function != AggregateFn::CountDistinct || keys_covered(schema, [&a.column]))
+}
+
+/// Whether the kernels cover `distinct` over `columns` (every column when `None` or empty)
+/// of a table of `schema`.
+pub fn distinct_covers(schema: &Schema, columns: Option<&[String]>) -> bool {
+    match columns {
+        Some(names) if !names.is_empty() => keys_covered(schema, names),
+        _ => schema
+            .fields()
+            .iter()
+            .all(|f| key_type_covered(f.data_type())),
+    }
 }
 
 /// Whether the kernels cover joining tables of `left` and `right` on these keys: pairs of
@@ -927,6 +941,93 @@ fn row_groups(
     })
 }
 
+/// The rows of `table` grouped by `keys` (at least one): one key's groups, then each row's
+/// groups so far and its next key's group combined into one word, grouped again.
+fn table_groups(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    keys: &[String],
+    operator: &'static str,
+) -> Result<RowGroups, GpuOpError> {
+    let Some((first_key, other_keys)) = keys.split_first() else {
+        return Err(GpuOpError::Invalid {
+            operator,
+            detail: "at least one key column is needed".into(),
+        });
+    };
+    let n = table.rows;
+    check_rows(n)?;
+    let key_groups =
+        |key: &String| key_groups(runtime, column_of(table, operator, key)?, operator, key);
+    let mut grouped = key_groups(first_key)?;
+    for key in other_keys {
+        let next = key_groups(key)?;
+        grouped = combine_groups(runtime, &grouped.row_group, &next, n)?;
+    }
+    Ok(grouped)
+}
+
+/// Rows grouped by the pair (their group so far, in `so_far`, and their group in `next`).
+fn combine_groups(
+    runtime: &GpuRuntime,
+    so_far: &super::pool::DeviceBuffer,
+    next: &RowGroups,
+    n: usize,
+) -> Result<RowGroups, GpuOpError> {
+    let words = alloc(runtime, n, 8)?;
+    run(
+        runtime,
+        "wrk_combine_groups",
+        n,
+        &[
+            Arg::Buf(so_far),
+            Arg::U64(next.groups as u64),
+            Arg::Buf(&next.row_group),
+            Arg::Buf(&words),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    row_groups(runtime, &words, None, n)
+}
+
+/// One row per distinct combination of `columns` (every column when `None` or empty): the
+/// first row of each, in order of first occurrence (as `cpu::ops::distinct`).
+pub fn distinct(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    columns: Option<&[String]>,
+) -> Result<DeviceTable, GpuOpError> {
+    const OP: &str = "distinct";
+    let all: Vec<String>;
+    let keys = match columns {
+        Some(names) if !names.is_empty() => names,
+        _ => {
+            all = table
+                .schema
+                .fields()
+                .iter()
+                .map(|f| f.name().clone())
+                .collect();
+            &all
+        }
+    };
+    if keys.is_empty() {
+        // No columns: nothing to tell rows apart by (as the CPU backend, the table itself).
+        return Ok(DeviceTable {
+            schema: table.schema.clone(),
+            columns: Vec::new(),
+            rows: table.rows,
+        });
+    }
+    let groups = table_groups(runtime, table, keys, OP)?;
+    Ok(gather_table(
+        runtime,
+        table,
+        &groups.first_row,
+        groups.groups,
+    )?)
+}
+
 /// Hash group-by on fixed-width and string key columns: the key columns, then one column per aggregate;
 /// groups in order of first occurrence, nulls equal to each other (as the CPU backend groups).
 /// Several keys are grouped one at a time: the groups so far and the next key's groups make
@@ -938,38 +1039,11 @@ pub fn group_by(
     aggregates: &[Aggregate],
 ) -> Result<DeviceTable, GpuOpError> {
     const OP: &str = "group-by";
-    let Some((first_key, other_keys)) = keys.split_first() else {
-        return Err(GpuOpError::Invalid {
-            operator: OP,
-            detail: "at least one key column is needed".into(),
-        });
-    };
-    let n = table.rows;
-    check_rows(n)?;
-    let key_groups = |key: &String| key_groups(runtime, column_of(table, OP, key)?, OP, key);
-    let mut grouped = key_groups(first_key)?;
-    for key in other_keys {
-        let next = key_groups(key)?;
-        let words = alloc(runtime, n, 8)?;
-        run(
-            runtime,
-            "wrk_combine_groups",
-            n,
-            &[
-                Arg::Buf(&grouped.row_group),
-                Arg::U64(next.groups as u64),
-                Arg::Buf(&next.row_group),
-                Arg::Buf(&words),
-                Arg::I64(n as i64),
-            ],
-        )?;
-        grouped = row_groups(runtime, &words, None, n)?;
-    }
     let RowGroups {
         row_group,
         groups,
         first_row,
-    } = grouped;
+    } = table_groups(runtime, table, keys, OP)?;
     let mut fields = Vec::with_capacity(keys.len() + aggregates.len());
     let mut columns = Vec::with_capacity(keys.len() + aggregates.len());
     for key in keys {
@@ -1030,7 +1104,10 @@ fn aggregate_column(
             validity: None,
         });
     }
-    if !numeric || function == AggregateFn::CountDistinct {
+    if function == AggregateFn::CountDistinct {
+        return count_distinct(runtime, values, &aggregate.column, row_group, groups);
+    }
+    if !numeric {
         return Err(GpuOpError::Unsupported {
             operator: OP,
             detail: format!(
@@ -1150,6 +1227,43 @@ fn aggregate_column(
             })
         }
     }
+}
+
+/// The number of distinct valid values of `values` in each of `groups` groups (`row_group`
+/// being each row's): the rows are grouped by (group, value), and each such pair with a valid
+/// value counts one for its group. Values compare as group-by keys do (floats by their bits,
+/// as Arrow's row format compares them in the CPU backend).
+fn count_distinct(
+    runtime: &GpuRuntime,
+    values: &DeviceColumn,
+    name: &str,
+    row_group: &super::pool::DeviceBuffer,
+    groups: usize,
+) -> Result<DeviceColumn, GpuOpError> {
+    const OP: &str = "group-by";
+    let n = values.len;
+    let value_groups = key_groups(runtime, values, OP, name)?;
+    let pairs = combine_groups(runtime, row_group, &value_groups, n)?;
+    let counts = filled_u64(runtime, groups, 0)?;
+    run(
+        runtime,
+        "wrk_count_distinct",
+        pairs.groups,
+        &[
+            Arg::Buf(&pairs.first_row),
+            Arg::Opt(values.validity.as_ref()),
+            Arg::Buf(row_group),
+            Arg::Buf(&counts),
+            Arg::I64(pairs.groups as i64),
+        ],
+    )?;
+    Ok(DeviceColumn {
+        data_type: DataType::Int64,
+        len: groups,
+        values: counts,
+        offsets: None,
+        validity: None,
+    })
 }
 
 /// Whether two key types compare by their equality words as the CPU backend compares them.

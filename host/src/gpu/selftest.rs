@@ -331,6 +331,9 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         (AggregateFn::Sum, "id"),
         (AggregateFn::Min, "k"),
         (AggregateFn::Mean, "id"),
+        (AggregateFn::CountDistinct, "k"),
+        (AggregateFn::CountDistinct, "x"),
+        (AggregateFn::CountDistinct, "s"),
     ]
     .iter()
     .enumerate()
@@ -368,6 +371,20 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         let h = cpu::ops::aggregate(table, &aggregates)
             .map_err(|e| failed("aggregate")(e.to_string()))?;
         compare("aggregate", &d, &h, 1e-9)?;
+    }
+
+    // Distinct rows: by strings and ints, by a boolean, and by every column (floats with NaN
+    // and -0.0 among them; the unique id keeps every row).
+    for columns in [Some(&["s", "k"][..]), Some(&["b"]), None] {
+        let operator = format!("distinct {columns:?}");
+        let columns: Option<Vec<String>> =
+            columns.map(|c| c.iter().map(|name| name.to_string()).collect());
+        let d = ops::distinct(runtime, &device, columns.as_deref())
+            .and_then(|t| Ok(download(runtime, &t)?))
+            .map_err(|e| failed(&operator)(e.to_string()))?;
+        let h = cpu::ops::distinct(table, columns.as_deref())
+            .map_err(|e| failed(&operator)(e.to_string()))?;
+        compare(&operator, &d, &h, 0.0)?;
     }
 
     // Sort: float descending with nulls first, then the id (unique, so the order is total).

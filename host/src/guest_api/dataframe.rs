@@ -613,7 +613,8 @@ impl HostTable for TaskState {
     ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
         let aggregates = host_aggregates(aggregates);
         let device: DeviceOp = &|gpu, t| gpu_ops::aggregate(gpu, t[0], &aggregates);
-        let covered = self.device_covers(&[&self_], |_| gpu_ops::aggregate_covers(&aggregates))?;
+        let covered =
+            self.device_covers(&[&self_], |s| gpu_ops::aggregate_covers(&s[0], &aggregates))?;
         self.table_op("aggregate", &[&self_], covered.then_some(device), |t| {
             ops::aggregate(t[0].batch(), &aggregates).map_err(op_error)
         })
@@ -716,7 +717,11 @@ impl HostTable for TaskState {
         self_: Resource<TaskTable>,
         columns: Option<Vec<String>>,
     ) -> wasmtime::Result<Result<Resource<TaskTable>, Error>> {
-        self.table_op("distinct", &[&self_], None, |t| {
+        let device: DeviceOp = &|gpu, t| gpu_ops::distinct(gpu, t[0], columns.as_deref());
+        let covered = self.device_covers(&[&self_], |s| {
+            gpu_ops::distinct_covers(&s[0], columns.as_deref())
+        })?;
+        self.table_op("distinct", &[&self_], covered.then_some(device), |t| {
             ops::distinct(t[0].batch(), columns.as_deref()).map_err(op_error)
         })
     }

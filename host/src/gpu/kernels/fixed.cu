@@ -647,6 +647,16 @@ WRK_MINMAX_KERNELS(u64, unsigned long long, unsigned long long, atomicMin, atomi
 WRK_MINMAX_KERNELS(f32, float, double, wrk_atomic_fmin, wrk_atomic_fmax)
 WRK_MINMAX_KERNELS(f64, double, double, wrk_atomic_fmin, wrk_atomic_fmax)
 
+// Count-distinct: each (group, value) pair, by its first row, counts one for its group when the
+// value is valid.
+extern "C" __global__ void wrk_count_distinct(const wrk_u32* pair_first_row, const wrk_u8* valid,
+                                              const wrk_u32* row_group, wrk_u64* counts, wrk_i64 pairs) {
+    WRK_ROWS(p, pairs) {
+        wrk_u32 r = pair_first_row[p];
+        if (WRK_VALID(valid, r)) atomicAdd(&counts[row_group[r]], 1ULL);
+    }
+}
+
 // Initial accumulators.
 extern "C" __global__ void wrk_fill_u64(wrk_u64* dst, wrk_u64 value, wrk_i64 n) {
     WRK_ROWS(i, n) { dst[i] = value; }
