@@ -242,9 +242,22 @@ pub fn evaluate(
     let width = value_width(&kernel.output.data_type()).unwrap_or(8);
     let out = alloc(runtime, n, width)?;
     let out_valid = alloc(runtime, n, 1)?;
+    // String literals go to the device first (a few bytes each, not a table transfer).
+    let strings = kernel
+        .literals
+        .iter()
+        .filter_map(|literal| match literal {
+            LiteralArg::Str(text) => Some(super::table::to_device(runtime, text.as_bytes())),
+            _ => None,
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut strings = strings.iter();
     let mut args = vec![Arg::I64(n as i64), Arg::Buf(&error)];
     for input in &kernel.inputs {
         let column = column_of(table, "evaluate", &input.column)?;
+        if column.data_type == DataType::Utf8 {
+            args.push(Arg::Buf(string_offsets(column, "evaluate", &input.column)?));
+        }
         if column.data_type == DataType::Null {
             args.push(Arg::Opt(None));
         } else {
@@ -253,12 +266,20 @@ pub fn evaluate(
         args.push(Arg::Opt(column.validity.as_ref()));
     }
     for literal in &kernel.literals {
-        args.push(match *literal {
-            LiteralArg::F64(v) => Arg::F64(v),
-            LiteralArg::I64(v) => Arg::I64(v),
-            LiteralArg::U64(v) => Arg::U64(v),
-            LiteralArg::Bool(v) => Arg::I32(i32::from(v)),
-        });
+        match literal {
+            LiteralArg::F64(v) => args.push(Arg::F64(*v)),
+            LiteralArg::I64(v) => args.push(Arg::I64(*v)),
+            LiteralArg::U64(v) => args.push(Arg::U64(*v)),
+            LiteralArg::Bool(v) => args.push(Arg::I32(i32::from(*v))),
+            LiteralArg::Str(text) => {
+                let bytes = strings.next().ok_or_else(|| GpuOpError::Invalid {
+                    operator: "evaluate",
+                    detail: "a string literal without its device copy".into(),
+                })?;
+                args.push(Arg::Buf(bytes));
+                args.push(Arg::I32(text.len() as i32));
+            }
+        }
     }
     args.push(Arg::Buf(&out));
     args.push(Arg::Buf(&out_valid));

@@ -294,6 +294,38 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         .map_err(|e| failed("filter")(e.to_string()))?;
     let h = cpu::ops::filter(table, &predicate).map_err(|e| failed("filter")(e.to_string()))?;
     compare("filter", &d, &h, 0.0)?;
+    // A filter on strings against literals (one fused kernel): prefixes, the empty string and
+    // non-ASCII bytes order as bytes; null strings drop their rows.
+    let text = |t: &str| Arc::new(Expr::Literal(Literal::Utf8(t.into())));
+    for (op, literal) in [
+        (BinaryOp::Eq, "w1"),
+        (BinaryOp::Ne, "w1"),
+        (BinaryOp::Lt, "w1"),
+        (BinaryOp::Ge, "w1\u{e9}"),
+        (BinaryOp::Gt, ""),
+        (BinaryOp::Le, "a string of more than sixteen bytes"),
+    ] {
+        let predicate = Expr::Binary {
+            op: BinaryOp::Or,
+            lhs: Arc::new(Expr::Binary {
+                op,
+                lhs: col("s"),
+                rhs: text(literal),
+            }),
+            rhs: Arc::new(Expr::Binary {
+                op: BinaryOp::Lt,
+                lhs: text("w3"),
+                rhs: col("s"),
+            }),
+        };
+        let operator = format!("filter {predicate}");
+        let d = ops::filter(runtime, &device, &predicate)
+            .and_then(|t| Ok(download(runtime, &t)?))
+            .map_err(|e| failed(&operator)(e.to_string()))?;
+        let h =
+            cpu::ops::filter(table, &predicate).map_err(|e| failed(&operator)(e.to_string()))?;
+        compare(&operator, &d, &h, 0.0)?;
+    }
 
     // Hash-partition on an int and a string key, into a few partitions and into many (some
     // of them empty).

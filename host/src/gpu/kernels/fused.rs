@@ -7,8 +7,11 @@
 //! `double`, `long long`, `unsigned long long` or `bool`; integer arithmetic wraps; an integer
 //! remainder by a valid zero is an error; floats compare by IEEE total order (as
 //! `f64::total_cmp`); nulls propagate, `and`/`or` follow Kleene logic; casts convert as the CPU
-//! program does. Anything else (strings, dates, narrowing casts) is refused with
-//! [`CodegenError::Unsupported`] and stays on the CPU backend.
+//! program does. One node more than the CPU program: a string column compared with a string
+//! literal (`borough == "Manhattan"`, byte order as Arrow's comparison kernels, which the CPU
+//! backend runs for it), so such a filter stays one kernel. Anything else (other string
+//! expressions, dates, narrowing casts) is refused with [`CodegenError::Unsupported`] and
+//! stays on the CPU backend.
 //!
 //! Kernels are cached by *shape*: the expression with its columns replaced by their position and
 //! type and its literals by their kind (`($0:Float64 > ?f64)`); literal values are kernel
@@ -43,6 +46,14 @@ __device__ __forceinline__ int wrk_cmp_u64(unsigned long long a, unsigned long l
     return (a > b) - (a < b);
 }
 __device__ __forceinline__ int wrk_cmp_bool(bool a, bool b) { return (int)a - (int)b; }
+// -1, 0 or 1 as byte strings order (Rust's `str` order, Arrow's string comparisons).
+__device__ __forceinline__ int wrk_cmp_str(const unsigned char* a, int a_len, const unsigned char* b, int b_len) {
+    int common = a_len < b_len ? a_len : b_len;
+    for (int k = 0; k < common; k++) {
+        if (a[k] != b[k]) return a[k] < b[k] ? -1 : 1;
+    }
+    return (a_len > b_len) - (a_len < b_len);
+}
 #endif
 "#;
 
@@ -126,17 +137,19 @@ pub fn column_storage_type(data_type: &DataType) -> Option<&'static str> {
 }
 
 /// A literal passed to the kernel as a parameter.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum LiteralArg {
     F64(f64),
     I64(i64),
     U64(u64),
     /// Passed as an `int` (0 or 1).
     Bool(bool),
+    /// Passed as its bytes in device memory and their length (`lit{j}`, `lit{j}_len`).
+    Str(String),
 }
 
 /// A column the kernel reads: parameters `in{k}` (values) and `valid{k}` (one byte per row,
-/// null when every row is valid).
+/// null when every row is valid); a string column has its offsets `off{k}` first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FusedInput {
     pub column: String,
@@ -206,6 +219,9 @@ pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenErro
         "extern \"C\" __global__ void __KERNEL_NAME__(long long n, int* error"
     );
     for (k, input) in generator.inputs.iter().enumerate() {
+        if input.data_type == DataType::Utf8 {
+            let _ = write!(body, ", const int* off{k}");
+        }
         let ty = column_storage_type(&input.data_type).unwrap_or("unsigned char");
         let _ = write!(body, ", const {ty}* in{k}, const unsigned char* valid{k}");
     }
@@ -215,6 +231,10 @@ pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenErro
             LiteralArg::I64(_) => "long long",
             LiteralArg::U64(_) => "unsigned long long",
             LiteralArg::Bool(_) => "int",
+            LiteralArg::Str(_) => {
+                let _ = write!(body, ", const unsigned char* lit{j}, int lit{j}_len");
+                continue;
+            }
         };
         let _ = write!(body, ", {ty} lit{j}");
     }
@@ -399,7 +419,71 @@ impl Generator<'_> {
         d
     }
 
+    /// The input index of column `name` of type `data_type`, added on first use.
+    fn input(&mut self, name: &str, data_type: &DataType) -> usize {
+        match self.inputs.iter().position(|i| i.column == name) {
+            Some(k) => k,
+            None => {
+                self.inputs.push(FusedInput {
+                    column: name.to_string(),
+                    data_type: data_type.clone(),
+                });
+                self.inputs.len() - 1
+            }
+        }
+    }
+
+    /// A string column compared with a string literal, either way round; `None` for any
+    /// other node.
+    fn string_comparison(&mut self, expr: &Expr) -> Option<Result<(usize, Kind), CodegenError>> {
+        use BinaryOp::*;
+        let Expr::Binary { op, lhs, rhs } = expr else {
+            return None;
+        };
+        let (column, text, op) = match (lhs.as_ref(), rhs.as_ref()) {
+            (Expr::Column(c), Expr::Literal(Literal::Utf8(t))) => (c, t, *op),
+            // `"x" < s` is `s > "x"`.
+            (Expr::Literal(Literal::Utf8(t)), Expr::Column(c)) => (
+                c,
+                t,
+                match op {
+                    Lt => Gt,
+                    Le => Ge,
+                    Gt => Lt,
+                    Ge => Le,
+                    other => *other,
+                },
+            ),
+            _ => return None,
+        };
+        let test = match op {
+            Eq => "== 0",
+            Ne => "!= 0",
+            Lt => "< 0",
+            Le => "<= 0",
+            Gt => "> 0",
+            Ge => ">= 0",
+            _ => return None,
+        };
+        match self.schema.field_with_name(column) {
+            Ok(f) if *f.data_type() == DataType::Utf8 => {}
+            _ => return None,
+        }
+        let k = self.input(column, &DataType::Utf8);
+        let j = self.literals.len();
+        self.literals.push(LiteralArg::Str(text.clone()));
+        let d = self.declare(Kind::Bool);
+        self.line(format!("m{d} = valid{k} == 0 || valid{k}[i] != 0;"));
+        self.line(format!(
+            "if (m{d}) x{d} = wrk_cmp_str(in{k} + off{k}[i], off{k}[i + 1] - off{k}[i], lit{j}, lit{j}_len) {test};"
+        ));
+        Some(Ok((d, Kind::Bool)))
+    }
+
     fn generate(&mut self, expr: &Expr) -> Result<(usize, Kind), CodegenError> {
+        if let Some(generated) = self.string_comparison(expr) {
+            return generated;
+        }
         if !fusible(expr, self.schema) {
             let data_type = self.type_of(expr)?;
             return Err(unsupported(
@@ -412,16 +496,7 @@ impl Generator<'_> {
                 let data_type = self.type_of(expr)?;
                 let kind = Kind::of(&data_type)
                     .ok_or_else(|| unsupported(expr, format!("cannot read {data_type}")))?;
-                let k = match self.inputs.iter().position(|i| &i.column == name) {
-                    Some(k) => k,
-                    None => {
-                        self.inputs.push(FusedInput {
-                            column: name.clone(),
-                            data_type: data_type.clone(),
-                        });
-                        self.inputs.len() - 1
-                    }
-                };
+                let k = self.input(name, &data_type);
                 let d = self.declare(kind);
                 if data_type == DataType::Null {
                     self.line(format!("m{d} = false;"));
@@ -824,11 +899,9 @@ pub(crate) mod tests {
     #[test]
     fn strings_dates_and_narrow_casts_are_left_to_the_cpu() {
         let cases = [
-            bin(
-                BinaryOp::Eq,
-                Expr::col("vendor"),
-                Expr::Literal(Literal::Utf8("x".into())),
-            ),
+            // Strings other than a column against a literal.
+            bin(BinaryOp::Eq, Expr::col("vendor"), Expr::col("vendor")),
+            Expr::Literal(Literal::Utf8("x".into())),
             Expr::Cast {
                 arg: Arc::new(Expr::col("day")),
                 to: DataType::Int64,

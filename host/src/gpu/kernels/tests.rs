@@ -122,6 +122,23 @@ fn every_expression() -> Vec<(&'static str, Expr)> {
             }
         }
     }
+    // A string column against a string literal, either way round (only comparisons fuse).
+    for op in BINARY {
+        let (column, text) = (
+            Arc::new(Expr::col("text")),
+            Arc::new(Expr::Literal(Literal::Utf8("x\u{e9}".into()))),
+        );
+        for (lhs, rhs) in [(&column, &text), (&text, &column)] {
+            out.push((
+                "string-literal",
+                Expr::Binary {
+                    op,
+                    lhs: lhs.clone(),
+                    rhs: rhs.clone(),
+                },
+            ));
+        }
+    }
     for op in UNARY {
         for t in &TYPES {
             out.push((
@@ -189,6 +206,7 @@ fn the_generator_covers_every_node_kind() {
     for kind in [
         "binary",
         "binary-literal",
+        "string-literal",
         "unary",
         "cast",
         "fill-null",
@@ -266,7 +284,11 @@ fn every_generated_kernel_compiles_to_ptx() {
 /// Every kernel name the host code launches: the literal names, and the per-type families.
 fn launched_kernels() -> BTreeSet<String> {
     let mut names = BTreeSet::new();
-    for source in [include_str!("../exec.rs"), include_str!("../ops.rs")] {
+    for source in [
+        include_str!("../exec.rs"),
+        include_str!("../ops.rs"),
+        include_str!("../join_index.rs"),
+    ] {
         for piece in source.split('"').skip(1).step_by(2) {
             if piece.starts_with("wrk_")
                 && !piece.ends_with('_')
