@@ -12,8 +12,8 @@ use arrow::array::{
 use arrow::datatypes::{DataType, Float64Type};
 
 use super::GpuRuntime;
-use super::ops;
-use super::table::{download, download_array, upload};
+use super::ops::{self, GpuOpError};
+use super::table::{DeviceTable, download, download_array, upload};
 use crate::cpu;
 use crate::cpu::join::JoinType;
 use crate::cpu::ops::{Aggregate, AggregateFn};
@@ -228,6 +228,22 @@ pub fn compare(
     Ok(())
 }
 
+/// Compares a device operator's result with the CPU backend's, as [`compare`] does; either
+/// failing fails `operator`.
+fn check_against_cpu<E: std::fmt::Display>(
+    runtime: &GpuRuntime,
+    operator: &str,
+    device: Result<DeviceTable, GpuOpError>,
+    host: Result<RecordBatch, E>,
+    tolerance: f64,
+) -> Result<(), SelfTestError> {
+    let device = device
+        .and_then(|t| Ok(download(runtime, &t)?))
+        .map_err(|e| failed(operator)(e.to_string()))?;
+    let host = host.map_err(|e| failed(operator)(e.to_string()))?;
+    compare(operator, &device, &host, tolerance)
+}
+
 fn failed(operator: &str) -> impl Fn(String) -> SelfTestError + '_ {
     move |detail| SelfTestError::Failed {
         operator: operator.to_string(),
@@ -289,11 +305,13 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         }),
         rhs: col("b"),
     };
-    let d = ops::filter(runtime, &device, &predicate)
-        .and_then(|t| Ok(download(runtime, &t)?))
-        .map_err(|e| failed("filter")(e.to_string()))?;
-    let h = cpu::ops::filter(table, &predicate).map_err(|e| failed("filter")(e.to_string()))?;
-    compare("filter", &d, &h, 0.0)?;
+    check_against_cpu(
+        runtime,
+        "filter",
+        ops::filter(runtime, &device, &predicate),
+        cpu::ops::filter(table, &predicate),
+        0.0,
+    )?;
     // A filter on strings against literals (one fused kernel): prefixes, the empty string and
     // non-ASCII bytes order as bytes; null strings drop their rows.
     let text = |t: &str| Arc::new(Expr::Literal(Literal::Utf8(t.into())));
@@ -319,12 +337,13 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
             }),
         };
         let operator = format!("filter {predicate}");
-        let d = ops::filter(runtime, &device, &predicate)
-            .and_then(|t| Ok(download(runtime, &t)?))
-            .map_err(|e| failed(&operator)(e.to_string()))?;
-        let h =
-            cpu::ops::filter(table, &predicate).map_err(|e| failed(&operator)(e.to_string()))?;
-        compare(&operator, &d, &h, 0.0)?;
+        check_against_cpu(
+            runtime,
+            &operator,
+            ops::filter(runtime, &device, &predicate),
+            cpu::ops::filter(table, &predicate),
+            0.0,
+        )?;
     }
 
     // Hash-partition on an int and a string key, into a few partitions and into many (some
@@ -387,22 +406,24 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
     ] {
         let operator = format!("group-by {keys:?}");
         let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let d = ops::group_by(runtime, &device, &keys, &aggregates)
-            .and_then(|t| Ok(download(runtime, &t)?))
-            .map_err(|e| failed(&operator)(e.to_string()))?;
-        let h = cpu::ops::group_by(table, &keys, &aggregates)
-            .map_err(|e| failed(&operator)(e.to_string()))?;
         // Float sums add in another order on the device.
-        compare(&operator, &d, &h, 1e-9)?;
+        check_against_cpu(
+            runtime,
+            &operator,
+            ops::group_by(runtime, &device, &keys, &aggregates),
+            cpu::ops::group_by(table, &keys, &aggregates),
+            1e-9,
+        )?;
     }
     // The same over the whole table (an empty table's aggregate is the CPU's).
     if table.num_rows() > 0 {
-        let d = ops::aggregate(runtime, &device, &aggregates)
-            .and_then(|t| Ok(download(runtime, &t)?))
-            .map_err(|e| failed("aggregate")(e.to_string()))?;
-        let h = cpu::ops::aggregate(table, &aggregates)
-            .map_err(|e| failed("aggregate")(e.to_string()))?;
-        compare("aggregate", &d, &h, 1e-9)?;
+        check_against_cpu(
+            runtime,
+            "aggregate",
+            ops::aggregate(runtime, &device, &aggregates),
+            cpu::ops::aggregate(table, &aggregates),
+            1e-9,
+        )?;
     }
 
     // Distinct rows: by strings and ints, by a boolean, and by every column (floats with NaN
@@ -411,12 +432,13 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         let operator = format!("distinct {columns:?}");
         let columns: Option<Vec<String>> =
             columns.map(|c| c.iter().map(|name| name.to_string()).collect());
-        let d = ops::distinct(runtime, &device, columns.as_deref())
-            .and_then(|t| Ok(download(runtime, &t)?))
-            .map_err(|e| failed(&operator)(e.to_string()))?;
-        let h = cpu::ops::distinct(table, columns.as_deref())
-            .map_err(|e| failed(&operator)(e.to_string()))?;
-        compare(&operator, &d, &h, 0.0)?;
+        check_against_cpu(
+            runtime,
+            &operator,
+            ops::distinct(runtime, &device, columns.as_deref()),
+            cpu::ops::distinct(table, columns.as_deref()),
+            0.0,
+        )?;
     }
 
     // Sort: float descending with nulls first, then the id (unique, so the order is total).
@@ -432,11 +454,13 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
             nulls_first: false,
         },
     ];
-    let d = ops::sort(runtime, &device, &sort_keys)
-        .and_then(|t| Ok(download(runtime, &t)?))
-        .map_err(|e| failed("sort")(e.to_string()))?;
-    let h = cpu::sort::sort(table, &sort_keys).map_err(|e| failed("sort")(e.to_string()))?;
-    compare("sort", &d, &h, 0.0)?;
+    check_against_cpu(
+        runtime,
+        "sort",
+        ops::sort(runtime, &device, &sort_keys),
+        cpu::sort::sort(table, &sort_keys),
+        0.0,
+    )?;
     // By strings each way (nulls last, then first), then by the integer key and the id.
     for descending in [false, true] {
         let string_keys = [
@@ -457,19 +481,22 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
             },
         ];
         let operator = format!("sort by strings (descending: {descending})");
-        let d = ops::sort(runtime, &device, &string_keys)
-            .and_then(|t| Ok(download(runtime, &t)?))
-            .map_err(|e| failed(&operator)(e.to_string()))?;
-        let h =
-            cpu::sort::sort(table, &string_keys).map_err(|e| failed(&operator)(e.to_string()))?;
-        compare(&operator, &d, &h, 0.0)?;
+        check_against_cpu(
+            runtime,
+            &operator,
+            ops::sort(runtime, &device, &string_keys),
+            cpu::sort::sort(table, &string_keys),
+            0.0,
+        )?;
     }
     let k = table.num_rows() as u64 / 3 + 1;
-    let d = ops::top_k(runtime, &device, &sort_keys, k)
-        .and_then(|t| Ok(download(runtime, &t)?))
-        .map_err(|e| failed("top-k")(e.to_string()))?;
-    let h = cpu::sort::top_k(table, &sort_keys, k).map_err(|e| failed("top-k")(e.to_string()))?;
-    compare("top-k", &d, &h, 0.0)?;
+    check_against_cpu(
+        runtime,
+        "top-k",
+        ops::top_k(runtime, &device, &sort_keys, k),
+        cpu::sort::top_k(table, &sort_keys, k),
+        0.0,
+    )?;
 
     // Slices, one running past the end.
     let rows = table.num_rows() as u64;
@@ -495,14 +522,13 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         "k".to_string(),
         "label".to_string(),
     ];
-    let d = ops::with_columns(runtime, &device, &added)
-        .and_then(|t| ops::select(&t, &names))
-        .and_then(|t| Ok(download(runtime, &t)?))
-        .map_err(|e| failed("with-columns")(e.to_string()))?;
-    let h = cpu::ops::with_columns(table, &added)
-        .and_then(|t| cpu::ops::select(&t, &names))
-        .map_err(|e| failed("with-columns")(e.to_string()))?;
-    compare("with-columns", &d, &h, 1e-12)?;
+    check_against_cpu(
+        runtime,
+        "with-columns",
+        ops::with_columns(runtime, &device, &added).and_then(|t| ops::select(&t, &names)),
+        cpu::ops::with_columns(table, &added).and_then(|t| cpu::ops::select(&t, &names)),
+        1e-12,
+    )?;
 
     // Joins with the (smaller) dimension tables, on an integer and on a string key: the CPU
     // builds on them too, so orders agree;
@@ -524,12 +550,13 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
                 JoinType::Anti,
             ] {
                 let operator = format!("{how:?} join on {on:?} (cached index: {cache_index})");
-                let d = ops::join(runtime, &device, &dim, &on, &on, how, cache_index)
-                    .and_then(|t| Ok(download(runtime, &t)?))
-                    .map_err(|e| failed(&operator)(e.to_string()))?;
-                let h = cpu::join::join(table, &dimension, &on, &on, how)
-                    .map_err(|e| failed(&operator)(e.to_string()))?;
-                compare(&operator, &d, &h, 0.0)?;
+                check_against_cpu(
+                    runtime,
+                    &operator,
+                    ops::join(runtime, &device, &dim, &on, &on, how, cache_index),
+                    cpu::join::join(table, &dimension, &on, &on, how),
+                    0.0,
+                )?;
             }
         }
         // The dimension table goes: so does its cached index.
@@ -538,11 +565,13 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
     }
 
     // Concat of the table with itself.
-    let d = ops::concat(runtime, &[&device, &device])
-        .and_then(|t| Ok(download(runtime, &t)?))
-        .map_err(|e| failed("concat")(e.to_string()))?;
-    let h = cpu::ops::concat(&[table, table]).map_err(|e| failed("concat")(e.to_string()))?;
-    compare("concat", &d, &h, 0.0)
+    check_against_cpu(
+        runtime,
+        "concat",
+        ops::concat(runtime, &[&device, &device]),
+        cpu::ops::concat(&[table, table]),
+        0.0,
+    )
 }
 
 /// The start-up check: [`compare_all`] on a table of a few thousand rows (several scan blocks).

@@ -344,6 +344,21 @@ pub fn shape_text(expr: &Expr, schema: &Schema) -> String {
     out
 }
 
+/// The C test that turns a three-way comparison (-1, 0, 1) into `op`'s answer (`== 0` for
+/// `Eq`), or `None` when `op` is not a comparison.
+fn comparison_test(op: BinaryOp) -> Option<&'static str> {
+    use BinaryOp::*;
+    Some(match op {
+        Eq => "== 0",
+        Ne => "!= 0",
+        Lt => "< 0",
+        Le => "<= 0",
+        Gt => "> 0",
+        Ge => ">= 0",
+        _ => return None,
+    })
+}
+
 /// `Gt` for `BinaryOp::Gt` (the bindings' `Debug` may qualify the name).
 fn op_name(op: &impl std::fmt::Debug) -> String {
     let name = format!("{op:?}");
@@ -456,15 +471,7 @@ impl Generator<'_> {
             ),
             _ => return None,
         };
-        let test = match op {
-            Eq => "== 0",
-            Ne => "!= 0",
-            Lt => "< 0",
-            Le => "<= 0",
-            Gt => "> 0",
-            Ge => ">= 0",
-            _ => return None,
-        };
+        let test = comparison_test(op)?;
         match self.schema.field_with_name(column) {
             Ok(f) if *f.data_type() == DataType::Utf8 => {}
             _ => return None,
@@ -598,9 +605,9 @@ impl Generator<'_> {
             .ok_or_else(|| unsupported(expr, format!("operands {left_type} and {right_type}")))?;
         let (a, b) = (self.node(lhs)?, self.node(rhs)?);
         let (a, b) = (self.convert(a, operand), self.convert(b, operand));
-        let comparison = matches!(op, Eq | Ne | Lt | Le | Gt | Ge);
+        let comparison = comparison_test(op);
         let logic = matches!(op, And | Or);
-        let result = if comparison || logic {
+        let result = if comparison.is_some() || logic {
             Kind::Bool
         } else {
             operand
@@ -617,15 +624,7 @@ impl Generator<'_> {
             return Ok((d, result));
         }
         self.line(format!("m{d} = m{a} && m{b};"));
-        if comparison {
-            let test = match op {
-                Eq => "== 0",
-                Ne => "!= 0",
-                Lt => "< 0",
-                Le => "<= 0",
-                Gt => "> 0",
-                _ => ">= 0",
-            };
+        if let Some(test) = comparison {
             self.line(format!(
                 "x{d} = wrk_cmp_{}(x{a}, x{b}) {test};",
                 operand.tag()
