@@ -3,8 +3,9 @@
 //! released, spilled to disk under pressure and read back when a task or a peer needs them.
 //!
 //! On a GPU worker a task's output made on the device stays there: the store keeps the
-//! [`ResidentTable`](crate::gpu::resident::ResidentTable) (which the device pool spills to host memory under its own pressure) and
-//! the next stage's tasks here read it without a copy. It comes to host memory (once, counted)
+//! [`ResidentTable`](crate::gpu::resident::ResidentTable) (which the device pool spills to
+//! host memory under its own pressure) and the next stage's tasks here read it without a
+//! copy. It comes to host memory (once, counted)
 //! only when something needs it there: a peer, a CPU operator, or spilling; once it has a host
 //! copy and no task reads it, it spills to disk like any other partition.
 //!

@@ -163,7 +163,7 @@ pub fn sort_covers(schema: &Schema, keys: &[SortKey]) -> bool {
 }
 
 /// Whether the kernels cover a group-by of a table of `schema`: fixed-width or string keys,
-/// no count-distinct.
+/// and aggregates [`aggregate_covers`] covers.
 pub fn group_by_covers(schema: &Schema, keys: &[String], aggregates: &[Aggregate]) -> bool {
     !keys.is_empty() && keys_covered(schema, keys) && aggregate_covers(schema, aggregates)
 }
@@ -875,6 +875,7 @@ pub(super) fn hash_collision(operator: &'static str, name: &str, rows: u32) -> G
     }
 }
 
+/// Groups the rows by their `words`; see [`RowGroups`].
 fn row_groups(
     runtime: &GpuRuntime,
     words: &super::pool::DeviceBuffer,
@@ -995,6 +996,18 @@ fn combine_groups(
     next: &RowGroups,
     n: usize,
 ) -> Result<RowGroups, GpuOpError> {
+    let words = combined_words(runtime, so_far, next, n)?;
+    row_groups(runtime, &words, None, n)
+}
+
+/// One word per row from its group so far and its group in `next`: distinct pairs make
+/// distinct words.
+fn combined_words(
+    runtime: &GpuRuntime,
+    so_far: &super::pool::DeviceBuffer,
+    next: &RowGroups,
+    n: usize,
+) -> Result<super::pool::DeviceBuffer, GpuOpError> {
     let words = alloc(runtime, n, 8)?;
     run(
         runtime,
@@ -1008,7 +1021,7 @@ fn combine_groups(
             Arg::I64(n as i64),
         ],
     )?;
-    row_groups(runtime, &words, None, n)
+    Ok(words)
 }
 
 /// One row per distinct combination of `columns` (every column when `None` or empty): the
@@ -1049,8 +1062,9 @@ pub fn distinct(
     )?)
 }
 
-/// Hash group-by on fixed-width and string key columns: the key columns, then one column per aggregate;
-/// groups in order of first occurrence, nulls equal to each other (as the CPU backend groups).
+/// Hash group-by on fixed-width and string key columns: the key columns, then one column per
+/// aggregate; groups in order of first occurrence, nulls equal to each other (as the CPU
+/// backend groups).
 /// Several keys are grouped one at a time: the groups so far and the next key's groups make
 /// one word per row (`group * next_groups + next_group`), grouped again.
 pub fn group_by(
@@ -1339,7 +1353,6 @@ pub fn join(
     let n = left.rows;
     check_rows(n)?;
     check_rows(right.rows)?;
-    check_rows(n + right.rows)?;
     let joint;
     let (lk, rk, left_key, right_key) = match (left_on, right_on) {
         ([left_key], [right_key]) => (
@@ -1464,25 +1477,39 @@ fn joint_key_columns(
     const OP: &str = "join";
     let (n_left, n_right) = (left.rows, right.rows);
     let n = n_left + n_right;
+    // The rows of both tables are grouped as one: their indices must fit too.
+    check_rows(n)?;
+    let pairs: Vec<(&String, &String)> = left_on.iter().zip(right_on).collect();
+    let Some(((last_left, last_right), first_pairs)) = pairs.split_last() else {
+        return Err(GpuOpError::Invalid {
+            operator: OP,
+            detail: "no key columns".into(),
+        });
+    };
+    let Some(((first_left, first_right), middle_pairs)) = first_pairs.split_first() else {
+        return Err(GpuOpError::Invalid {
+            operator: OP,
+            detail: "joint keys need at least two key pairs".into(),
+        });
+    };
+    // A row is null when any of its keys is.
     let mut valid: Option<super::pool::DeviceBuffer> = None;
-    let mut grouped: Option<RowGroups> = None;
-    let mut words = None;
-    for (i, (left_key, right_key)) in left_on.iter().zip(right_on).enumerate() {
+    let mut pair_groups = |left_key: &String, right_key: &String| {
         let pair = [
             column_of(left, OP, left_key)?,
             column_of(right, OP, right_key)?,
         ];
-        let pair_validity = concat_validity(runtime, &pair, n)?;
-        let groups = if pair[0].data_type == DataType::Utf8 {
+        let (groups, pair_validity) = if pair[0].data_type == DataType::Utf8 {
             let both = concat_column(runtime, &pair, n)?;
-            key_groups(runtime, &both, OP, left_key)?
+            (key_groups(runtime, &both, OP, left_key)?, both.validity)
         } else {
+            let validity = concat_validity(runtime, &pair, n)?;
             let mut both = alloc(runtime, n, 8)?;
             let left_words = equality_words(runtime, pair[0], OP, left_key)?;
             copy_into(runtime, &left_words, n_left * 8, &mut both, 0)?;
             let right_words = equality_words(runtime, pair[1], OP, right_key)?;
             copy_into(runtime, &right_words, n_right * 8, &mut both, n_left * 8)?;
-            row_groups(runtime, &both, pair_validity.as_ref(), n)?
+            (row_groups(runtime, &both, validity.as_ref(), n)?, validity)
         };
         if let Some(pair_validity) = &pair_validity {
             let all = match valid.take() {
@@ -1497,34 +1524,17 @@ fn joint_key_columns(
             )?;
             valid = Some(all);
         }
-        grouped = Some(match grouped.take() {
-            None => groups,
-            Some(so_far) => {
-                let combined = alloc(runtime, n, 8)?;
-                run(
-                    runtime,
-                    "wrk_combine_groups",
-                    n,
-                    &[
-                        Arg::Buf(&so_far.row_group),
-                        Arg::U64(groups.groups as u64),
-                        Arg::Buf(&groups.row_group),
-                        Arg::Buf(&combined),
-                        Arg::I64(n as i64),
-                    ],
-                )?;
-                if i + 1 == left_on.len() {
-                    words = Some(combined);
-                    break;
-                }
-                row_groups(runtime, &combined, None, n)?
-            }
-        });
+        Ok::<_, GpuOpError>(groups)
+    };
+    let mut so_far = pair_groups(first_left, first_right)?;
+    for (left_key, right_key) in middle_pairs {
+        let next = pair_groups(left_key, right_key)?;
+        so_far = combine_groups(runtime, &so_far.row_group, &next, n)?;
     }
-    let words = words.ok_or_else(|| GpuOpError::Invalid {
-        operator: OP,
-        detail: "joint keys need at least two key pairs".into(),
-    })?;
+    // The last pair's combined words are the join's words: grouping them again would only
+    // renumber them.
+    let last = pair_groups(last_left, last_right)?;
+    let words = combined_words(runtime, &so_far.row_group, &last, n)?;
     let joint = DeviceColumn {
         data_type: DataType::UInt64,
         len: n,

@@ -530,13 +530,15 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
         1e-12,
     )?;
 
-    // Joins with the (smaller) dimension tables, on an integer and on a string key: the CPU
-    // builds on them too, so orders agree;
-    // and on both (an index of the join's own whether cached or not).
+    // Joins with the (smaller) dimension tables (the CPU builds on them too, so orders agree):
+    // on an integer key, on a string key, and on several (an index of the join's own whether
+    // cached or not).
     for (dimension, on) in [
         (dimension_table(), &["k"][..]),
         (string_dimension_table(), &["s"]),
         (pair_dimension_table(), &["k", "s"]),
+        // Three pairs (one twice): the groups of the first two are combined again.
+        (pair_dimension_table(), &["s", "k", "s"]),
     ] {
         let dim = upload(runtime, &dimension).map_err(|e| failed("join")(e.to_string()))?;
         // Each kind with an index of its own, then with the one the worker's cache keeps for
