@@ -1,62 +1,172 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one command, for a machine that has one (no CUDA toolkit
-# needed: the driver comes with the machine, NVRTC from the PyPI wheel tests/run.sh installs).
+# needed: the driver comes with the machine, NVRTC from the PyPI wheel or the machine's CUDA).
 #
-#   host/gpu-check.sh            # GPU tests (failing, not skipping, without a GPU) + benchmark
+#   host/gpu-check.sh                 # every step below
+#   host/gpu-check.sh bench peers     # some of them
 #   BENCH_ROWS=5000000 host/gpu-check.sh
 #
-# 1. Probes the device (nvidia-smi, if present).
-# 2. Runs every test of wrk-host and the device CLI test with WRK_REQUIRE_GPU=1 (and
-#    WRK_REQUIRE_NVRTC=1): a test that would skip for want of a GPU or NVRTC fails instead. These
-#    include the device self-test against the CPU backend on 0 .. 1.1 M rows, the table
-#    round-trip, device selection and NVML telemetry.
-# 3. Runs the device operator benchmark (release build): the haversine fused kernel with its
-#    effective bandwidth, group-by, join, sort and hash-partition, GPU next to the CPU backend.
-# 4. Runs example jobs on a `wrk worker --device gpu:0` process against the reference and a CPU
-#    cluster (tests/tests/integration/gpu_worker.rs; it uses the GPU where one is found).
-# 5. Starts a scheduler and a `wrk worker --device gpu:0`, and prints `wrk status` (device name,
-#    MIG profile, memory, SM utilisation, temperature, power) and the worker's wrk_gpu_* series.
+# Where cargo is, it builds what it runs. Where it is not (the GPU machines lent to this
+# project have no Rust toolchain and no package index), it runs the prebuilt binaries of
+# target/gpu-bundle/bundle.tar.xz, which host/gpu-bundle.sh makes on a build machine; carry
+# target/gpu-bundle there with the working tree (WRK_GPU_BUNDLE=1 uses the bundle even where
+# cargo is). Each step's output goes to $OUT/<step>.log (target/gpu-check/ without $OUT), and
+# one line per step to $OUT/summary.txt. The steps:
+#
+#   host          every wrk-host test with WRK_REQUIRE_GPU=1 and WRK_REQUIRE_NVRTC=1 (a test
+#                 that would skip for want of a GPU or NVRTC fails instead): the device
+#                 self-test against the CPU backend on 0 .. 1.1 M rows, every kernel compiled to
+#                 PTX, the table round trip, device selection, NVML telemetry
+#   bench         the device operator benchmark (release): haversine as one fused kernel with
+#                 its effective bandwidth against the card's, group-by, join, sort and
+#                 hash-partition, GPU next to the CPU backend
+#   integration   the device CLI tests and the example jobs on a `wrk worker --device gpu:0`
+#                 process against the reference and a CPU cluster (tests/tests/integration/
+#                 device.rs and gpu_worker.rs)
+#   cluster       a scheduler and a `wrk worker --device gpu:0`: `wrk status` (device name, MIG
+#                 profile, memory, SM utilisation, temperature, power), the worker's wrk_gpu_*
+#                 series and its device log line
+#   peers         the benchmark's operators in cuDF on the same card (host/gpu-peers.py), next
+#                 to wrk's times from the bench step; a skip line where cuDF is not installed
+#
 # The engine benchmark on the GPU (it needs its Python peers installed, from PyPI):
 #   WRK_BENCH_DEVICE=gpu:0 WORKERS=1 guest-examples/engine-bench/bench.sh
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
+out=${OUT:-$root/target/gpu-check}
+mkdir -p "$out"
+steps=("$@")
+# The quick whole-path check first (a worker starting on the GPU runs its self-test), then the
+# figures, then the long test steps: what a run cut short leaves is the most telling part.
+[ ${#steps[@]} -gt 0 ] || steps=(cluster bench host integration peers)
+bundle=target/gpu-bundle/bundle.tar.xz
+
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi -L || true
 fi
-# NVRTC from PyPI, as tests/run.sh installs it.
-NVRTC_VENV=target/nvrtc-venv
-if ! ls "$NVRTC_VENV"/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 >/dev/null 2>&1; then
-    python3 -m venv "$NVRTC_VENV"
-    "$NVRTC_VENV/bin/pip" install -q --disable-pip-version-check "nvidia-cuda-nvrtc-cu12==12.9.86"
+
+if command -v cargo >/dev/null && [ "${WRK_GPU_BUNDLE:-0}" != 1 ]; then
+    mode=cargo
+elif [ -f "$bundle" ]; then
+    mode=bundle
+else
+    echo "gpu-check: no cargo here and no $bundle: run host/gpu-bundle.sh where cargo is and carry target/gpu-bundle" >&2
+    exit 2
 fi
-lib=$(ls -d "$PWD/$NVRTC_VENV"/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib | head -n 1)
-export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export WRK_REQUIRE_GPU=1 WRK_REQUIRE_NVRTC=1
 
-echo "== GPU tests (WRK_REQUIRE_GPU=1)"
-cargo test -p wrk-host -- --nocapture
-cargo test -p wrk-tests --test integration device:: -- --nocapture
+if [ "$mode" = bundle ]; then
+    unpacked=$root/target/gpu-bundle/unpacked
+    rm -rf "$unpacked"
+    mkdir -p "$unpacked"
+    xz -dc "$bundle" | tar -C "$unpacked" -xf - || exit 2
+    echo "gpu-check: the bundle of commit $(cat "$unpacked/commit") (this tree: $(git rev-parse HEAD 2>/dev/null || echo unknown))"
+    export WRK_TEST_ARTIFACTS=$unpacked WRK_WORKSPACE_ROOT=$root
+    wrk=$unpacked/wrk
+    host_tests=("$unpacked/wrk-host-tests")
+    integration=("$unpacked/integration")
+else
+    cargo build -q --release -p wrk-cli --bin wrk || exit 2
+    wrk=$root/target/release/wrk
+    host_tests=(cargo test --release -p wrk-host --lib --)
+    integration=(cargo test -p wrk-tests --test integration --)
+fi
 
-echo "== example jobs on a GPU worker"
-cargo test -p wrk-tests --test integration gpu_worker:: -- --nocapture
+# NVRTC: the bundle's, else the wheel tests/run.sh installs (installed here where pip can),
+# else the machine's CUDA install. cudarc loads `libnvrtc.so` or `libnvrtc.so.12` (and older),
+# so a newer one (libnvrtc.so.13) is linked as `libnvrtc.so`.
+nvrtc_venv=target/nvrtc-venv
+nvrtc_wheel_lib() { ls -d "$root/$nvrtc_venv"/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -n 1; }
+nvrtc=
+if [ "$mode" = bundle ] && [ -e "$unpacked/nvrtc/libnvrtc.so.12" ]; then
+    nvrtc=$unpacked/nvrtc/libnvrtc.so.12
+fi
+if [ -z "$nvrtc" ] && [ "$mode" = cargo ] && [ -z "$(nvrtc_wheel_lib)" ]; then
+    python3 -m venv "$nvrtc_venv" &&
+        "$nvrtc_venv/bin/pip" install -q --disable-pip-version-check "nvidia-cuda-nvrtc-cu12==12.9.86"
+fi
+if [ -z "$nvrtc" ] && [ -n "$(nvrtc_wheel_lib)" ]; then
+    nvrtc=$(nvrtc_wheel_lib)/libnvrtc.so.12
+fi
+if [ -z "$nvrtc" ]; then
+    sites=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
+    for candidate in /usr/local/cuda/lib64/libnvrtc.so.* /usr/local/cuda-*/lib64/libnvrtc.so.* \
+        /usr/lib/x86_64-linux-gnu/libnvrtc.so.* \
+        $(for s in $sites; do echo "$s"/nvidia/*/lib/libnvrtc.so.* "$s"/nvidia/cuda_nvrtc/lib/libnvrtc.so.*; done); do
+        case $candidate in *builtins* | *alt*) continue ;; esac
+        if [ -e "$candidate" ]; then
+            nvrtc=$candidate
+            break
+        fi
+    done
+fi
+if [ -n "$nvrtc" ]; then
+    links=$root/target/gpu-check-nvrtc
+    rm -rf "$links"
+    mkdir -p "$links"
+    ln -s "$nvrtc" "$links/libnvrtc.so"
+    export LD_LIBRARY_PATH="$links:$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "gpu-check: NVRTC $nvrtc"
+else
+    echo "gpu-check: no NVRTC found; the GPU steps will fail saying so" >&2
+fi
+# A dry run where there is no GPU (the tests then use the CUDA emulator): WRK_REQUIRE_GPU=0
+# WRK_REQUIRE_NVRTC=0 WRK_CHECK_DEVICE=emulated-gpu.
+export WRK_REQUIRE_GPU=${WRK_REQUIRE_GPU:-1} WRK_REQUIRE_NVRTC=${WRK_REQUIRE_NVRTC:-1}
+device=${WRK_CHECK_DEVICE:-gpu:0}
 
-echo "== device operator benchmark (release)"
-cargo test --release -p wrk-host gpu::bench -- --ignored --nocapture
+failed=()
+# step NAME SECONDS COMMAND...: runs COMMAND (killed after SECONDS), its output in
+# $out/NAME.log as well as here, and notes how it ended in $out/summary.txt.
+step() {
+    local name=$1 limit=$2 started=$SECONDS status
+    shift 2
+    echo "== $name"
+    timeout --signal=KILL "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    status=${PIPESTATUS[0]}
+    echo "$name: exit $status after $((SECONDS - started)) s" | tee -a "$out/summary.txt"
+    [ "$status" = 0 ] || failed+=("$name")
+}
 
-echo "== a GPU worker in a cluster"
-cargo build -q -p wrk-cli
-log=$(mktemp)
-target/debug/wrk scheduler --listen 127.0.0.1:17070 --http-listen 127.0.0.1:17087 --heartbeat-ms 200 2>"$log" &
-scheduler=$!
-WRK_LOG=info target/debug/wrk worker --scheduler http://127.0.0.1:17070 --device gpu:0 \
-    --metrics-listen 127.0.0.1:17090 --id gpu-check 2>>"$log" &
-worker=$!
-trap 'kill $worker $scheduler 2>/dev/null || true' EXIT
-for _ in $(seq 1 100); do
-    if target/debug/wrk status --scheduler http://127.0.0.1:17070 | grep -q "gpu-check"; then break; fi
-    sleep 0.2
+export wrk out device
+cluster() {
+    local log=$out/cluster-processes.txt scheduler worker
+    "$wrk" scheduler --listen 127.0.0.1:17070 --http-listen 127.0.0.1:17087 --heartbeat-ms 200 2>"$log" &
+    scheduler=$!
+    WRK_LOG=info "$wrk" worker --scheduler http://127.0.0.1:17070 --device "$device" \
+        --metrics-listen 127.0.0.1:17090 --id gpu-check 2>>"$log" &
+    worker=$!
+    for _ in $(seq 1 300); do
+        if "$wrk" status --scheduler http://127.0.0.1:17070 2>/dev/null | grep -q "gpu-check"; then break; fi
+        sleep 0.2
+    done
+    sleep 1
+    "$wrk" status --scheduler http://127.0.0.1:17070
+    local status=$?
+    curl -s http://127.0.0.1:17090/metrics | grep -E "^wrk_(gpu|worker_device)" ||
+        python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:17090/metrics").read().decode())' |
+        grep -E "^wrk_(gpu|worker_device)"
+    grep -E "uses (GPU|the CPU)|GPU|error" "$log" | head -n 20
+    kill "$worker" "$scheduler" 2>/dev/null
+    wait "$worker" "$scheduler" 2>/dev/null
+    return $status
+}
+
+: >"$out/summary.txt"
+for s in "${steps[@]}"; do
+    case $s in
+    host) step host 300 "${host_tests[@]}" --nocapture ;;
+    bench) step bench 300 "${host_tests[@]}" gpu::bench --ignored --nocapture ;;
+    integration) step integration 300 "${integration[@]}" device:: gpu_worker:: --nocapture ;;
+    cluster) step cluster 90 bash -c "$(declare -f cluster); cluster" ;;
+    peers) step peers 300 python3 host/gpu-peers.py --wrk "$out/bench.log" ;;
+    *)
+        echo "gpu-check: unknown step $s (host, bench, integration, cluster, peers)" >&2
+        exit 2
+        ;;
+    esac
 done
-sleep 1
-target/debug/wrk status --scheduler http://127.0.0.1:17070
-curl -s http://127.0.0.1:17090/metrics | grep -E "^wrk_(gpu|worker_device)" || true
-grep -E "uses (GPU|the CPU)" "$log" || true
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "gpu-check: failed: ${failed[*]}" | tee -a "$out/summary.txt"
+    exit 1
+fi

@@ -78,7 +78,7 @@ pub enum NoGpu {
     )]
     DriverLibraryMissing,
     #[error(
-        "the NVRTC library (libnvrtc.so.12) is not installed or not on the library path; the GPU backend compiles its kernels with it (install the CUDA runtime's nvrtc package or the `nvidia-cuda-nvrtc-cu12` wheel and add its lib directory to LD_LIBRARY_PATH)"
+        "the NVRTC library (libnvrtc.so.12, or libnvrtc.so for another version) is not installed or not on the library path; the GPU backend compiles its kernels with it (install the CUDA runtime's nvrtc package or the `nvidia-cuda-nvrtc-cu12` wheel and add its lib directory to LD_LIBRARY_PATH)"
     )]
     NvrtcLibraryMissing,
     #[error("the CUDA driver sees no device (is CUDA_VISIBLE_DEVICES empty?)")]

@@ -333,26 +333,12 @@ impl GpuRuntime {
     }
 }
 
-/// For tests that need a real GPU (benchmarks): the runtime on device 0, or `None` after
-/// printing why the test is skipped. With `WRK_REQUIRE_GPU=1` a missing GPU fails the test.
+/// The runtime on GPU 0 with a pool of `pool_bytes`, or why there is none (a failure under
+/// `WRK_REQUIRE_GPU=1`).
 #[cfg(test)]
-pub(crate) fn test_gpu(test: &str) -> Option<Arc<GpuRuntime>> {
-    match probe_for_test(test) {
-        Ok(runtime) => Some(runtime),
-        Err(reason) => {
-            println!(
-                "SKIPPED {test}: no CUDA device found ({reason}); set WRK_REQUIRE_GPU=1 to make this a failure"
-            );
-            None
-        }
-    }
-}
-
-/// The runtime on GPU 0, or why there is none (a failure under `WRK_REQUIRE_GPU=1`).
-#[cfg(test)]
-fn probe_for_test(test: &str) -> Result<Arc<GpuRuntime>, detect::NoGpu> {
+fn probe_for_test(test: &str, pool_bytes: Option<u64>) -> Result<Arc<GpuRuntime>, detect::NoGpu> {
     match detect::probe(0) {
-        Ok(device) => match GpuRuntime::start(device, Some(1 << 30), DeviceCounters::default()) {
+        Ok(device) => match GpuRuntime::start(device, pool_bytes, DeviceCounters::default()) {
             Ok(runtime) => Ok(runtime),
             Err(e) => panic!("{test}: a GPU was found but the runtime did not start: {e}"),
         },
@@ -372,7 +358,17 @@ fn probe_for_test(test: &str) -> Result<Arc<GpuRuntime>, detect::NoGpu> {
 /// C++ compiler). With `WRK_REQUIRE_GPU=1` only a real GPU will do.
 #[cfg(test)]
 pub(crate) fn test_device(test: &str) -> Option<Arc<GpuRuntime>> {
-    if let Ok(runtime) = probe_for_test(test) {
+    test_device_with_pool(test, Some(1 << 30))
+}
+
+/// As [`test_device`], with a device pool of `pool_bytes` (`None`: sized as a worker sizes it,
+/// from the GPU's free memory, or [`EMULATED_POOL_BYTES`] on the emulator).
+#[cfg(test)]
+pub(crate) fn test_device_with_pool(
+    test: &str,
+    pool_bytes: Option<u64>,
+) -> Option<Arc<GpuRuntime>> {
+    if let Ok(runtime) = probe_for_test(test, pool_bytes) {
         return Some(runtime);
     }
     if !emulator::compiler_present() {
@@ -382,7 +378,7 @@ pub(crate) fn test_device(test: &str) -> Option<Arc<GpuRuntime>> {
         return None;
     }
     println!("{test}: no CUDA device found; running on the CUDA emulator (host CPU)");
-    match GpuRuntime::emulated(Some(1 << 30), DeviceCounters::default()) {
+    match GpuRuntime::emulated(pool_bytes, DeviceCounters::default()) {
         Ok(runtime) => Some(runtime),
         Err(e) => panic!("{test}: the emulated device did not start: {e}"),
     }

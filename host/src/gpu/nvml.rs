@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use nvml_wrapper::enum_wrappers::device::{PcieUtilCounter, TemperatureSensor};
+use nvml_wrapper::enum_wrappers::device::{Clock, PcieUtilCounter, TemperatureSensor};
 use nvml_wrapper::enums::device::SampleValue;
 use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::{Device, Nvml};
@@ -123,6 +123,16 @@ impl Telemetry {
 
     pub fn identity(&self) -> &DeviceIdentity {
         &self.identity
+    }
+
+    /// The memory's peak bandwidth in bytes per second: its maximum clock times its bus width,
+    /// twice per clock (the figure NVIDIA quotes: 3.35 TB/s for an H100 SXM); `None` where NVML
+    /// does not say.
+    pub fn peak_memory_bandwidth(&self) -> Option<f64> {
+        let device = self.nvml.device_by_uuid(self.uuid.as_str()).ok()?;
+        let megahertz = device.max_clock_info(Clock::Memory).ok()?;
+        let bus_bits = device.memory_bus_width().ok()?;
+        Some(f64::from(megahertz) * 1e6 * 2.0 * f64::from(bus_bits) / 8.0)
     }
 
     /// One sample of the device's state.

@@ -19,11 +19,29 @@ fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// The repository's root: `WRK_WORKSPACE_ROOT` where the tests run from a bundle in another
+/// checkout (`host/gpu-check.sh` on a machine without cargo), else the one they were built in.
 pub fn workspace_root() -> PathBuf {
+    if let Some(root) = std::env::var_os("WRK_WORKSPACE_ROOT") {
+        return PathBuf::from(root);
+    }
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("workspace root")
         .to_path_buf()
+}
+
+/// `WRK_TEST_ARTIFACTS`: a folder holding a prebuilt `wrk` and the guests' `.wasm` files
+/// (`host/gpu-bundle.sh` makes one), used instead of building them with cargo, for machines
+/// that have no Rust toolchain (the lent GPU machines).
+fn prebuilt(file: &str) -> Option<PathBuf> {
+    let path = PathBuf::from(std::env::var_os("WRK_TEST_ARTIFACTS")?).join(file);
+    assert!(
+        path.exists(),
+        "WRK_TEST_ARTIFACTS is set but holds no {file}: {}",
+        path.display()
+    );
+    Some(path)
 }
 
 fn cargo() -> Command {
@@ -73,8 +91,12 @@ const GUESTS: [&str; 14] = [
     "test-guest-memory",
 ];
 
-/// The path of a guest component, building every test guest once.
+/// The path of a guest component, building every test guest once (or from `WRK_TEST_ARTIFACTS`).
 pub fn guest(crate_name: &str) -> PathBuf {
+    let file = format!("{}.wasm", crate_name.replace('-', "_"));
+    if let Some(path) = prebuilt(&file) {
+        return path;
+    }
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {
         let mut command = cargo();
@@ -85,13 +107,14 @@ pub fn guest(crate_name: &str) -> PathBuf {
         let status = command.status().expect("run cargo to build the guests");
         assert!(status.success(), "building the guests failed");
     });
-    target_dir()
-        .join("wasm32-wasip2/release")
-        .join(format!("{}.wasm", crate_name.replace('-', "_")))
+    target_dir().join("wasm32-wasip2/release").join(file)
 }
 
-/// The `wrk` binary of this build.
+/// The `wrk` binary of this build (or of `WRK_TEST_ARTIFACTS`).
 pub fn wrk() -> PathBuf {
+    if let Some(path) = prebuilt("wrk") {
+        return path;
+    }
     static BUILT: OnceLock<()> = OnceLock::new();
     BUILT.get_or_init(|| {
         let mut build = cargo();

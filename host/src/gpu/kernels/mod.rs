@@ -37,6 +37,72 @@ pub enum KernelError {
     Load { what: String, detail: String },
     #[error("the GPU has compute capability {major}.{minor}; the kernels need 7.0 or newer")]
     TooOld { major: i32, minor: i32 },
+    #[error(
+        "NVRTC {nvrtc} compiles for compute capabilities {supported}, none of them at most this GPU's {major}.{minor} and at least 7.0 (an older NVRTC, such as the 12.x of the nvidia-cuda-nvrtc-cu12 wheel, does)"
+    )]
+    NoArchitecture {
+        nvrtc: String,
+        supported: String,
+        major: i32,
+        minor: i32,
+    },
+    #[error("asking NVRTC which architectures it supports failed: {0:?}")]
+    Query(cudarc::nvrtc::sys::nvrtcResult),
+}
+
+/// The compute capabilities the loaded NVRTC compiles for, oldest first (NVRTC 13 starts at
+/// 7.5, 12.x at 5.0). Call only where NVRTC loads ([`nvrtc_library_present`]).
+pub fn nvrtc_architectures() -> Result<Vec<(i32, i32)>, KernelError> {
+    use cudarc::nvrtc::sys::{self, nvrtcResult};
+    let check = |result: nvrtcResult| match result {
+        nvrtcResult::NVRTC_SUCCESS => Ok(()),
+        other => Err(KernelError::Query(other)),
+    };
+    let mut count = 0;
+    // SAFETY: NVRTC writes one int.
+    check(unsafe { sys::nvrtcGetNumSupportedArchs(&mut count) })?;
+    let mut archs = vec![0; usize::try_from(count).unwrap_or(0)];
+    // SAFETY: NVRTC writes `count` ints, the length of `archs`.
+    check(unsafe { sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) })?;
+    archs.sort_unstable();
+    Ok(archs.into_iter().map(|a| (a / 10, a % 10)).collect())
+}
+
+/// The loaded NVRTC's version, `major.minor` (`unknown` if it will not say). Call only where
+/// NVRTC loads.
+pub fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC writes two ints.
+    match unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) } {
+        cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => format!("{major}.{minor}"),
+        _ => "unknown".into(),
+    }
+}
+
+/// The architecture to compile for on a GPU of compute capability `device`: the newest of
+/// `supported` (NVRTC's) that is not newer than the GPU, whose driver compiles the PTX for the
+/// GPU itself; `None` where NVRTC supports none from [`MIN_ARCH`] up to the GPU.
+pub fn choose_arch(device: (i32, i32), supported: &[(i32, i32)]) -> Option<(i32, i32)> {
+    supported
+        .iter()
+        .copied()
+        .filter(|&arch| arch >= MIN_ARCH && arch <= device)
+        .max()
+}
+
+/// [`choose_arch`] with the loaded NVRTC's architectures, or why none will do.
+pub fn arch_for(device: (i32, i32)) -> Result<(i32, i32), KernelError> {
+    let supported = nvrtc_architectures()?;
+    choose_arch(device, &supported).ok_or_else(|| KernelError::NoArchitecture {
+        nvrtc: nvrtc_version(),
+        supported: supported
+            .iter()
+            .map(|(major, minor)| format!("{major}.{minor}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        major: device.0,
+        minor: device.1,
+    })
 }
 
 /// NVRTC's `--gpu-architecture` value for a compute capability.
@@ -123,7 +189,12 @@ impl KernelCache {
                 minor: capability.1,
             });
         }
-        let arch = arch_option(capability);
+        if !nvrtc_library_present() {
+            return Err(KernelError::NoNvrtc(
+                super::detect::NoGpu::NvrtcLibraryMissing,
+            ));
+        }
+        let arch = arch_option(arch_for(capability)?);
         let ptx = compile_ptx(FIXED_SOURCE, &arch, "wrk fixed kernels")?;
         let fixed = context.load_module(ptx).map_err(|e| KernelError::Load {
             what: "the fixed kernels".into(),

@@ -257,7 +257,13 @@ fn every_generated_kernel_compiles_to_ptx() {
         return;
     }
     let (kernels, _) = every_kernel();
-    let arch = arch_option((7, 0));
+    // The oldest architecture the kernels and this NVRTC share (7.0 with NVRTC 12, 7.5 with 13).
+    let oldest = super::nvrtc_architectures()
+        .unwrap()
+        .into_iter()
+        .find(|&arch| arch >= super::MIN_ARCH)
+        .expect("NVRTC compiles for compute capability 7.0 or newer");
+    let arch = arch_option(oldest);
     // One NVRTC program per batch of kernels (each under its own name), so the thousands of
     // shapes compile in seconds; a failure names the shape.
     let mut compiled = 0;
@@ -329,8 +335,18 @@ fn the_fixed_kernels_compile_to_ptx_with_every_kernel_the_host_launches() {
     }
     let launched = launched_kernels();
     assert!(launched.len() > 60, "{launched:?}");
+    println!("NVRTC {}", super::nvrtc_version());
     for capability in [(7, 0), (8, 0), (9, 0)] {
-        let ptx = compile_ptx(FIXED_SOURCE, &arch_option(capability), "wrk fixed kernels")
+        // What a GPU of this capability would compile for (7.0 is past NVRTC 13's oldest).
+        let arch = match super::arch_for(capability) {
+            Ok(arch) => arch,
+            Err(e) if capability < (9, 0) => {
+                println!("compute capability {capability:?} not compiled: {e}");
+                continue;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let ptx = compile_ptx(FIXED_SOURCE, &arch_option(arch), "wrk fixed kernels")
             .unwrap_or_else(|e| panic!("{e}"));
         let found = entries(&ptx.to_src());
         let missing: Vec<&String> = launched.difference(&found).collect();
@@ -443,4 +459,20 @@ fn the_kernel_partition_hash_is_the_cpu_partition_hash() {
     let words: ArrayRef = Arc::new(StringArray::from(vec!["wrk"]));
     host.extend(crate::cpu::keys::partition_hashes(&[nulls, words]).unwrap());
     assert_eq!(device, host);
+}
+
+#[test]
+fn a_gpu_gets_the_newest_architecture_nvrtc_has_up_to_its_own() {
+    use super::choose_arch;
+    let nvrtc_12 = [(5, 0), (6, 0), (7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)];
+    let nvrtc_13 = [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)];
+    assert_eq!(choose_arch((9, 0), &nvrtc_12), Some((9, 0)));
+    assert_eq!(choose_arch((8, 7), &nvrtc_12), Some((8, 6)));
+    // A GPU newer than NVRTC: PTX for NVRTC's newest, which the driver compiles for the GPU.
+    assert_eq!(choose_arch((12, 1), &nvrtc_12), Some((10, 0)));
+    assert_eq!(choose_arch((7, 0), &nvrtc_12), Some((7, 0)));
+    // Volta with NVRTC 13: nothing both support.
+    assert_eq!(choose_arch((7, 0), &nvrtc_13), None);
+    // Older than the kernels support, whatever NVRTC can do.
+    assert_eq!(choose_arch((6, 1), &nvrtc_12), None);
 }
