@@ -10,9 +10,10 @@
 #   wrk-host-tests    wrk-host's unit tests in release (the device self-test, kernels, telemetry,
 #                     and the ignored device operator benchmark)
 #   integration       the multi-process tests (device:: and gpu_worker:: run there), release
-#   guests/*.wasm     the example and test guests
-#   nvrtc/            NVRTC 12.9 from the PyPI wheel, with WRK_BUNDLE_NVRTC=1 (30 MiB more;
-#                     without it the check uses the NVRTC the machine's CUDA install has)
+#   *.wasm            the example and test guests
+#   nvrtc/            NVRTC 12.9 from the PyPI wheel tests/run.sh installs (the one CI compiles
+#                     every kernel with; 30 MiB of the bundle's 55). WRK_BUNDLE_NVRTC=0 leaves it
+#                     out: the check then uses the NVRTC of the machine's CUDA install
 # None of them is built with UCX (the GPU machine has no libucx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,20 +42,28 @@ integration=$(test_binary -p wrk-tests --test integration)
 
 stage=target/gpu-bundle/stage
 rm -rf target/gpu-bundle
-mkdir -p "$stage/guests"
+mkdir -p "$stage"
 cp target/release/wrk "$stage/wrk"
 cp "$host_tests" "$stage/wrk-host-tests"
 cp "$integration" "$stage/integration"
 strip "$stage/wrk" "$stage/wrk-host-tests" "$stage/integration"
 for g in "${guests[@]}"; do
-    cp "target/wasm32-wasip2/release/${g//-/_}.wasm" "$stage/guests/"
+    cp "target/wasm32-wasip2/release/${g//-/_}.wasm" "$stage/"
 done
-if [ "${WRK_BUNDLE_NVRTC:-0}" = 1 ]; then
-    lib=$(ls -d target/nvrtc-venv/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib | head -n 1)
+if [ "${WRK_BUNDLE_NVRTC:-1}" = 1 ]; then
+    lib=$(ls -d target/nvrtc-venv/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -n 1)
+    if [ -z "$lib" ]; then
+        echo "no NVRTC wheel in target/nvrtc-venv: run tests/run.sh first, or WRK_BUNDLE_NVRTC=0" >&2
+        exit 1
+    fi
     mkdir -p "$stage/nvrtc"
     cp "$lib"/libnvrtc.so.12 "$lib"/libnvrtc-builtins.so.* "$stage/nvrtc/"
 fi
-git rev-parse HEAD >"$stage/commit"
+{
+    git rev-parse HEAD | tr -d '\n'
+    [ -z "$(git status --porcelain --untracked-files=no)" ] || printf ' with uncommitted changes'
+    echo
+} >"$stage/commit"
 tar -C "$stage" -cf - . | xz -9 -T2 >target/gpu-bundle/bundle.tar.xz
 rm -rf "$stage"
 size=$(stat -c %s target/gpu-bundle/bundle.tar.xz)

@@ -130,26 +130,33 @@ step() {
 
 export wrk out device
 cluster() {
-    local log=$out/cluster-processes.txt scheduler worker
+    local log=$out/cluster-processes.txt scheduler worker registered=no
     "$wrk" scheduler --listen 127.0.0.1:17070 --http-listen 127.0.0.1:17087 --heartbeat-ms 200 2>"$log" &
     scheduler=$!
     WRK_LOG=info "$wrk" worker --scheduler http://127.0.0.1:17070 --device "$device" \
         --metrics-listen 127.0.0.1:17090 --id gpu-check 2>>"$log" &
     worker=$!
     for _ in $(seq 1 300); do
-        if "$wrk" status --scheduler http://127.0.0.1:17070 2>/dev/null | grep -q "gpu-check"; then break; fi
+        if "$wrk" status --scheduler http://127.0.0.1:17070 2>/dev/null | grep -q "gpu-check"; then
+            registered=yes
+            break
+        fi
+        if ! kill -0 "$worker" 2>/dev/null; then break; fi
         sleep 0.2
     done
     sleep 1
     "$wrk" status --scheduler http://127.0.0.1:17070
-    local status=$?
     curl -s http://127.0.0.1:17090/metrics | grep -E "^wrk_(gpu|worker_device)" ||
         python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:17090/metrics").read().decode())' |
         grep -E "^wrk_(gpu|worker_device)"
-    grep -E "uses (GPU|the CPU)|GPU|error" "$log" | head -n 20
+    grep -E "uses (GPU|the CPU)|GPU|rror" "$log" | head -n 40
     kill "$worker" "$scheduler" 2>/dev/null
     wait "$worker" "$scheduler" 2>/dev/null
-    return $status
+    if [ "$registered" != yes ]; then
+        echo "the worker on $device did not register; its log:"
+        tail -n 40 "$log"
+        return 1
+    fi
 }
 
 : >"$out/summary.txt"

@@ -113,7 +113,7 @@ def main():
         seconds = best(runs, sync, f)
         line = f"  {name:<16} cudf {seconds * 1e3:>9.2f} ms"
         if name in wrk:
-            line += f"   wrk {wrk[name] * 1e3:>9.2f} ms   wrk/cudf {wrk[name] / seconds:>6.2f}x"
+            line += f"   wrk {wrk[name] * 1e3:>9.2f} ms   wrk time / cuDF time {wrk[name] / seconds:>6.2f}"
         print(line)
     return 0
 
