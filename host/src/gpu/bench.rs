@@ -244,7 +244,10 @@ fn device_operator_benchmark() {
         ),
         None => "unknown".into(),
     };
-    println!("  haversine effective bandwidth {:.1} GB/s", bandwidth / 1e9);
+    println!(
+        "  haversine effective bandwidth {:.1} GB/s",
+        bandwidth / 1e9
+    );
     println!(
         "  card peak memory bandwidth (NVML) {}",
         share(peak_bandwidth(&runtime))

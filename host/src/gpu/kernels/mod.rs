@@ -38,7 +38,7 @@ pub enum KernelError {
     #[error("the GPU has compute capability {major}.{minor}; the kernels need 7.0 or newer")]
     TooOld { major: i32, minor: i32 },
     #[error(
-        "NVRTC {nvrtc} compiles for compute capabilities {supported}, none of them at most this GPU's {major}.{minor} and at least 7.0 (an older NVRTC, such as the 12.x of the nvidia-cuda-nvrtc-cu12 wheel, does)"
+        "NVRTC {nvrtc} compiles for compute capabilities {supported}: none from 7.0, the oldest the kernels support, up to this GPU's {major}.{minor} (an older NVRTC does, such as the 12.x of the nvidia-cuda-nvrtc-cu12 wheel)"
     )]
     NoArchitecture {
         nvrtc: String,

@@ -464,7 +464,17 @@ fn the_kernel_partition_hash_is_the_cpu_partition_hash() {
 #[test]
 fn a_gpu_gets_the_newest_architecture_nvrtc_has_up_to_its_own() {
     use super::choose_arch;
-    let nvrtc_12 = [(5, 0), (6, 0), (7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)];
+    let nvrtc_12 = [
+        (5, 0),
+        (6, 0),
+        (7, 0),
+        (7, 5),
+        (8, 0),
+        (8, 6),
+        (8, 9),
+        (9, 0),
+        (10, 0),
+    ];
     let nvrtc_13 = [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)];
     assert_eq!(choose_arch((9, 0), &nvrtc_12), Some((9, 0)));
     assert_eq!(choose_arch((8, 7), &nvrtc_12), Some((8, 6)));
