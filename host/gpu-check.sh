@@ -28,9 +28,10 @@
 #                 series and its device log line
 #   peers         the benchmark's operators in cuDF on the same card (host/gpu-peers.py), next
 #                 to wrk's times from the bench step; a skip line where cuDF is not installed
-#
-# The engine benchmark on the GPU (it needs its Python peers installed, from PyPI):
-#   WRK_BENCH_DEVICE=gpu:0 WORKERS=1 guest-examples/engine-bench/bench.sh
+#   engine        the engine benchmark's queries (guest-examples/engine-bench/engines.py) over
+#                 ENGINE_ROWS (20 M) trips written by `wrk gen-taxi`: wrk with one worker (of
+#                 ENGINE_SLOTS, 8, slots) on the GPU next to the peers that import here (cuDF
+#                 on the same card, after host/gpu-wheels.sh); not in the default steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -65,11 +66,16 @@ if [ "$mode" = bundle ]; then
     wrk=$unpacked/wrk
     host_tests=("$unpacked/wrk-host-tests")
     integration=("$unpacked/integration")
+    engine_module=$unpacked/engine_bench.wasm
 else
     cargo build -q --release -p wrk-cli --bin wrk || exit 2
     wrk=$root/target/release/wrk
     host_tests=(cargo test --release -p wrk-host --lib --)
     integration=(cargo test -p wrk-tests --test integration --)
+    engine_module=$root/target/wasm32-wasip2/release/engine_bench.wasm
+    if [[ " ${steps[*]} " == *" engine "* ]]; then
+        cargo build -q --release --target wasm32-wasip2 -p engine-bench || exit 2
+    fi
 fi
 
 # NVRTC: the bundle's, else the wheel tests/run.sh installs (installed here where pip can),
@@ -128,7 +134,7 @@ step() {
     [ "$status" = 0 ] || failed+=("$name")
 }
 
-export wrk out device
+export wrk out device engine_module
 cluster() {
     local log=$out/cluster-processes.txt scheduler worker registered=no
     "$wrk" scheduler --listen 127.0.0.1:17070 --http-listen 127.0.0.1:17087 --heartbeat-ms 200 2>"$log" &
@@ -159,6 +165,19 @@ cluster() {
     fi
 }
 
+engine() {
+    local rows=${ENGINE_ROWS:-20000000}
+    local drivers=$((rows / 4))
+    if [ ! -f "data/bench/rows-$rows-drivers-$drivers" ]; then
+        rm -rf data/bench
+        "$wrk" gen-taxi --out data/bench/taxi --rows "$rows" --files 8 --row-group-rows 500000 \
+            --drivers "$drivers" --dimensions data/bench || return 1
+        touch "data/bench/rows-$rows-drivers-$drivers"
+    fi
+    WRK=$wrk WRK_BENCH_MODULE=$engine_module WRK_BENCH_DEVICE=$device WORKERS=1 \
+        WRK_BENCH_SLOTS=${ENGINE_SLOTS:-8} python3 guest-examples/engine-bench/engines.py
+}
+
 : >"$out/summary.txt"
 for s in "${steps[@]}"; do
     case $s in
@@ -167,8 +186,9 @@ for s in "${steps[@]}"; do
     integration) step integration 300 "${integration[@]}" device:: gpu_worker:: --nocapture ;;
     cluster) step cluster 90 bash -c "$(declare -f cluster); cluster" ;;
     peers) step peers 300 python3 host/gpu-peers.py --wrk "$out/bench.log" ;;
+    engine) step engine 400 bash -c "$(declare -f engine); engine" ;;
     *)
-        echo "gpu-check: unknown step $s (host, bench, integration, cluster, peers)" >&2
+        echo "gpu-check: unknown step $s (cluster, bench, host, integration, peers, engine)" >&2
         exit 2
         ;;
     esac
