@@ -277,6 +277,11 @@ impl GpuRuntime {
         if let Some(warning) = warning {
             tracing::warn!("{warning}");
         }
+        // Every copy and launch of the runtime goes to the context's default stream, which
+        // orders them: cudarc's per-buffer events, made for ordering work across streams, would
+        // only add two event creations to every allocation.
+        // SAFETY: no buffer of this context is used on another stream (none is ever created).
+        unsafe { context.disable_event_tracking() };
         let stream = context.default_stream();
         let kernels = KernelCache::new(context.clone())?;
         let backend = Arc::new(Backend::Cuda { context, stream });
