@@ -27,7 +27,8 @@
 #                 profile, memory, SM utilisation, temperature, power), the worker's wrk_gpu_*
 #                 series and its device log line
 #   peers         the benchmark's operators in cuDF on the same card (host/gpu-peers.py), next
-#                 to wrk's times from the bench step; a skip line where cuDF is not installed
+#                 to wrk's times from the last bench step on this machine; a skip line where
+#                 cuDF is not installed
 #   engine        the engine benchmark's queries (guest-examples/engine-bench/engines.py) over
 #                 ENGINE_ROWS (20 M) trips written by `wrk gen-taxi`: wrk with one worker (of
 #                 ENGINE_SLOTS, 8, slots) on the GPU next to the peers that import here (cuDF
@@ -36,7 +37,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 out=${OUT:-$root/target/gpu-check}
-mkdir -p "$out"
+# Every step's log is kept here too, for later calls on the same machine ($OUT starts empty each
+# call): `peers` compares cuDF with the `bench` of an earlier call.
+last=$root/target/gpu-check-last
+mkdir -p "$out" "$last"
 steps=("$@")
 # The quick whole-path check first (a worker starting on the GPU runs its self-test), then the
 # figures, then the long test steps: what a run cut short leaves is the most telling part.
@@ -128,7 +132,7 @@ step() {
     local name=$1 limit=$2 started=$SECONDS status
     shift 2
     echo "== $name"
-    timeout --signal=KILL "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    timeout --signal=KILL "$limit" "$@" 2>&1 | tee "$out/$name.log" "$last/$name.log"
     status=${PIPESTATUS[0]}
     echo "$name: exit $status after $((SECONDS - started)) s" | tee -a "$out/summary.txt"
     [ "$status" = 0 ] || failed+=("$name")
@@ -185,7 +189,7 @@ for s in "${steps[@]}"; do
     bench) step bench 300 "${host_tests[@]}" gpu::bench --ignored --nocapture ;;
     integration) step integration 300 "${integration[@]}" device:: gpu_worker:: --nocapture ;;
     cluster) step cluster 90 bash -c "$(declare -f cluster); cluster" ;;
-    peers) step peers 300 python3 host/gpu-peers.py --wrk "$out/bench.log" ;;
+    peers) step peers 300 python3 host/gpu-peers.py --wrk "$last/bench.log" ;;
     engine) step engine 400 bash -c "$(declare -f engine); engine" ;;
     *)
         echo "gpu-check: unknown step $s (cluster, bench, host, integration, peers, engine)" >&2
