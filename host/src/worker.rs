@@ -991,28 +991,21 @@ async fn load_broadcast(
                     ))
                 })?
         };
-        Ok(on_the_device(shared.gpu.as_ref(), table, broadcast.stage))
+        Ok(on_the_device(shared.gpu.as_ref(), table))
     })
     .await
     .cloned()
 }
 
-/// A shared table on the worker's GPU (one counted upload, keeping the table as its host
-/// copy), or in host memory without a GPU, when the device has no layout for its columns, or
-/// when the device pool has no room.
-fn on_the_device(gpu: Option<&Arc<GpuRuntime>>, table: Table, stage: u32) -> TaskTable {
-    let Some(gpu) = gpu else {
-        return table.into();
-    };
-    if !crate::gpu::table::uploadable(&table.schema()) {
-        return table.into();
-    }
-    match ResidentTable::upload(gpu, table.clone(), None) {
-        Ok(resident) => TaskTable::Device(resident),
-        Err(e) => {
-            tracing::debug!(stage, "a broadcast table stays in host memory: {e}");
-            table.into()
+/// A shared table for the worker's GPU, uploaded by the first device operator that reads it
+/// (one counted upload, the table staying its host copy; see [`ResidentTable::on_host`]), or
+/// a host table without a GPU or when the device has no layout for its columns.
+fn on_the_device(gpu: Option<&Arc<GpuRuntime>>, table: Table) -> TaskTable {
+    match gpu {
+        Some(gpu) if crate::gpu::table::uploadable(&table.schema()) => {
+            TaskTable::Device(ResidentTable::on_host(gpu, table, None))
         }
+        _ => table.into(),
     }
 }
 

@@ -62,6 +62,9 @@ pub struct ResidentTable {
     schema: SchemaRef,
     rows: usize,
     copies: Mutex<Copies>,
+    /// Held while the table is uploaded again, so that two operators reading it at once make
+    /// one upload (the copies are not locked during an upload: it may spill other tables).
+    uploading: Mutex<()>,
     last_used: AtomicU64,
     /// The account host copies are claimed by: the task's, or the store's once the table is
     /// a stored partition.
@@ -76,14 +79,42 @@ impl ResidentTable {
         host: Option<Table>,
         owner: Option<Arc<Account>>,
     ) -> Arc<Self> {
+        let (schema, rows) = (table.schema.clone(), table.rows);
+        let copies = match host {
+            Some(host) => Copies::Both(Arc::new(table), host),
+            None => Copies::Device(Arc::new(table)),
+        };
+        Self::keep(runtime, schema, rows, copies, owner)
+    }
+
+    /// A host table kept for the device without uploading it yet: the first device operator
+    /// that reads it uploads it (counted), and whoever holds this table then reads that one
+    /// copy; operators on the CPU backend read the host table as it is, and never upload it.
+    /// A broadcast input is kept so: one upload per worker, and none where only the CPU backend
+    /// reads it.
+    pub fn on_host(
+        runtime: &Arc<GpuRuntime>,
+        host: Table,
+        owner: Option<Arc<Account>>,
+    ) -> Arc<Self> {
+        let schema = Arc::new(super::table::device_schema(&host.schema()));
+        let rows = host.num_rows();
+        Self::keep(runtime, schema, rows, Copies::Host(host), owner)
+    }
+
+    fn keep(
+        runtime: &Arc<GpuRuntime>,
+        schema: SchemaRef,
+        rows: usize,
+        copies: Copies,
+        owner: Option<Arc<Account>>,
+    ) -> Arc<Self> {
         let resident = Arc::new(ResidentTable {
             runtime: runtime.clone(),
-            schema: table.schema.clone(),
-            rows: table.rows,
-            copies: Mutex::new(match host {
-                Some(host) => Copies::Both(Arc::new(table), host),
-                None => Copies::Device(Arc::new(table)),
-            }),
+            schema,
+            rows,
+            copies: Mutex::new(copies),
+            uploading: Mutex::new(()),
             last_used: AtomicU64::new(runtime.resident.tick()),
             owner: Mutex::new(owner),
         });
@@ -157,18 +188,22 @@ impl ResidentTable {
     pub fn device(&self) -> Result<Arc<DeviceTable>, TableError> {
         self.last_used
             .store(self.runtime.resident.tick(), Ordering::Relaxed);
-        let host = match &*self.lock() {
-            Copies::Device(device) | Copies::Both(device, _) => return Ok(device.clone()),
-            Copies::Host(host) => host.clone(),
+        let on_device = || match &*self.lock() {
+            Copies::Device(device) | Copies::Both(device, _) => Ok(device.clone()),
+            Copies::Host(host) => Err(host.clone()),
         };
-        // Uploaded without the lock: the allocation may spill other tables.
-        let uploaded = Arc::new(upload(&self.runtime, host.batch())?);
-        let mut copies = self.lock();
-        if let Some(device) = copies.device() {
-            // Another thread uploaded it meanwhile.
-            return Ok(device.clone());
+        if let Ok(device) = on_device() {
+            return Ok(device);
         }
-        *copies = Copies::Both(uploaded.clone(), host);
+        let _uploading = self.uploading.lock().unwrap_or_else(|e| e.into_inner());
+        // Another operator may have uploaded it while this one waited.
+        let host = match on_device() {
+            Ok(device) => return Ok(device),
+            Err(host) => host,
+        };
+        // Uploaded without the copies' lock: the allocation may spill other tables.
+        let uploaded = Arc::new(upload(&self.runtime, host.batch())?);
+        *self.lock() = Copies::Both(uploaded.clone(), host);
         Ok(uploaded)
     }
 
@@ -421,6 +456,40 @@ mod tests {
             1,
             "the spilled copy serves host reads"
         );
+    }
+
+    /// A table kept on the host for the device is uploaded by its first device reader alone,
+    /// once however many read it at once, and never by host readers.
+    #[test]
+    fn a_host_kept_table_is_uploaded_once_by_its_first_device_reader() {
+        if emulator::skipped_without_compiler("a_host_kept_table_is_uploaded_once") {
+            return;
+        }
+        let runtime = GpuRuntime::emulated(None, DeviceCounters::default()).unwrap();
+        let original = batch(5_000, 3);
+        let table = ResidentTable::on_host(&runtime, Table::new(original.clone()), None);
+        assert!(!table.on_device());
+        assert_eq!(table.rows(), 5_000);
+        assert_eq!(table.host().unwrap().batch(), &original);
+        assert_eq!(
+            table.bytes(),
+            Table::new(original.clone()).memory_bytes() as u64
+        );
+        assert_eq!(runtime.transfers.totals(Direction::ToDevice), (0, 0));
+        let copies: Vec<Arc<DeviceTable>> = std::thread::scope(|scope| {
+            let readers: Vec<_> = (0..4).map(|_| scope.spawn(|| table.device())).collect();
+            readers
+                .into_iter()
+                .map(|r| r.join().unwrap().unwrap())
+                .collect()
+        });
+        assert!(copies.iter().all(|c| Arc::ptr_eq(c, &copies[0])));
+        assert_eq!(runtime.transfers.totals(Direction::ToDevice).1, 1);
+        assert_eq!(table.schema(), copies[0].schema);
+        assert!(table.on_device());
+        // Its host copy stays: reading it on the host copies nothing back.
+        assert_eq!(table.host().unwrap().batch(), &original);
+        assert_eq!(runtime.transfers.totals(Direction::ToHost), (0, 0));
     }
 
     /// The device bytes of one test table.
