@@ -11,7 +11,7 @@
 #                     and the ignored device operator benchmark)
 #   integration       the multi-process tests (device:: and gpu_worker:: run there), release
 #   *.wasm            the example and test guests
-#   nvrtc/            NVRTC 12.9 from the PyPI wheel tests/run.sh installs (the one CI
+#   nvrtc/            NVRTC 12.9 from the PyPI wheel (host/nvrtc-wheel.sh; the one CI
 #                     compiles every kernel with; about 29 MiB of the bundle's 51).
 #                     WRK_BUNDLE_NVRTC=0 leaves it out: the check then uses the NVRTC of the
 #                     machine's CUDA install
@@ -52,11 +52,10 @@ for g in "${guests[@]}"; do
     cp "target/wasm32-wasip2/release/${g//-/_}.wasm" "$stage/"
 done
 if [ "${WRK_BUNDLE_NVRTC:-1}" = 1 ]; then
-    lib=$(ls -d target/nvrtc-venv/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -n 1)
-    if [ -z "$lib" ]; then
-        echo "no NVRTC wheel in target/nvrtc-venv: run tests/run.sh first, or WRK_BUNDLE_NVRTC=0" >&2
+    lib=$(host/nvrtc-wheel.sh) || {
+        echo "no NVRTC to bundle; WRK_BUNDLE_NVRTC=0 leaves it out" >&2
         exit 1
-    fi
+    }
     mkdir -p "$stage/nvrtc"
     cp "$lib"/libnvrtc.so.12 "$lib"/libnvrtc-builtins.so.* "$stage/nvrtc/"
 fi

@@ -82,21 +82,14 @@ else
     fi
 fi
 
-# NVRTC: the bundle's, else the wheel tests/run.sh installs (installed here where pip can),
-# else the machine's CUDA install. cudarc loads `libnvrtc.so` or `libnvrtc.so.12` (and older),
-# so a newer one (libnvrtc.so.13) is linked as `libnvrtc.so`.
-nvrtc_venv=target/nvrtc-venv
-nvrtc_wheel_lib() { ls -d "$root/$nvrtc_venv"/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -n 1; }
+# NVRTC: the bundle's, else the wheel's (host/nvrtc-wheel.sh, where cargo is), else the
+# machine's CUDA install. cudarc loads `libnvrtc.so` or `libnvrtc.so.12` (and older), so a newer
+# one (libnvrtc.so.13) is linked as `libnvrtc.so`.
 nvrtc=
 if [ "$mode" = bundle ] && [ -e "$unpacked/nvrtc/libnvrtc.so.12" ]; then
     nvrtc=$unpacked/nvrtc/libnvrtc.so.12
-fi
-if [ -z "$nvrtc" ] && [ "$mode" = cargo ] && [ -z "$(nvrtc_wheel_lib)" ]; then
-    python3 -m venv "$nvrtc_venv" &&
-        "$nvrtc_venv/bin/pip" install -q --disable-pip-version-check "nvidia-cuda-nvrtc-cu12==12.9.86"
-fi
-if [ -z "$nvrtc" ] && [ -n "$(nvrtc_wheel_lib)" ]; then
-    nvrtc=$(nvrtc_wheel_lib)/libnvrtc.so.12
+elif [ "$mode" = cargo ] && wheel_lib=$(host/nvrtc-wheel.sh); then
+    nvrtc=$wheel_lib/libnvrtc.so.12
 fi
 if [ -z "$nvrtc" ]; then
     sites=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)

@@ -35,24 +35,12 @@ if ! command -v c++ >/dev/null 2>&1; then
     apt-get install -y -qq --no-install-recommends g++ >/dev/null
 fi
 # NVRTC (CUDA's run-time compiler) from the nvidia-cuda-nvrtc-cu12 wheel, in a virtualenv under
-# target/: the kernel tests compile every CUDA kernel to PTX with it, no GPU or CUDA toolkit
-# needed. Without PyPI those tests print a skip line instead.
-NVRTC_VENV=target/nvrtc-venv
-nvrtc_lib() { ls -d "$PWD/$NVRTC_VENV"/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -n 1; }
-if [ -z "$(nvrtc_lib)" ] || [ ! -e "$(nvrtc_lib)/libnvrtc.so.12" ]; then
-    if ! python3 -m venv "$NVRTC_VENV" >/dev/null 2>&1; then
-        # Debian splits venv support out of python3.
-        export DEBIAN_FRONTEND=noninteractive
-        { apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-venv >/dev/null; } || true
-        python3 -m venv "$NVRTC_VENV" >/dev/null 2>&1 || true
-    fi
-    if ! timeout 600 "$NVRTC_VENV/bin/pip" install -q --disable-pip-version-check \
-        "nvidia-cuda-nvrtc-cu12==12.9.86" >/dev/null 2>&1; then
-        echo "tests/run.sh: could not install nvidia-cuda-nvrtc-cu12 from PyPI; the PTX tests will print skip lines" >&2
-    fi
-fi
-if [ -n "$(nvrtc_lib)" ]; then
-    export LD_LIBRARY_PATH="$(nvrtc_lib)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# target/ (host/nvrtc-wheel.sh): the kernel tests compile every CUDA kernel to PTX with it, no
+# GPU or CUDA toolkit needed. Without PyPI those tests print a skip line instead.
+if nvrtc_lib=$(host/nvrtc-wheel.sh); then
+    export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+    echo "tests/run.sh: the PTX tests will print skip lines" >&2
 fi
 # moto (a local server speaking the S3 API) from PyPI, in a virtualenv under target/: the object
 # store test reads a job's source from a bucket there. Without PyPI that test prints a skip line.

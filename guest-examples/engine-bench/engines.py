@@ -35,17 +35,17 @@ import pyarrow.parquet as pq  # noqa: E402
 
 
 def optional(module):
-    """The peer's module, or None (and why) where it cannot be imported here."""
+    """The peer's module, or None where it cannot be imported here."""
     try:
-        return __import__(module), None
-    except Exception as e:  # noqa: BLE001 - any import failure leaves the peer out
-        return None, f"{type(e).__name__}: {e}"
+        return __import__(module)
+    except Exception:  # noqa: BLE001 - any import failure leaves the peer out
+        return None
 
 
-pl, _ = optional("polars")
-duckdb, _ = optional("duckdb")
-datafusion, _ = optional("datafusion")
-cudf, _ = optional("cudf")
+pl = optional("polars")
+duckdb = optional("duckdb")
+datafusion = optional("datafusion")
+cudf = optional("cudf")
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "bench"

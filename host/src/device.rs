@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use wrk_proto::{GpuInfo, GpuTelemetry};
 
 use crate::gpu::detect::{self, DeviceRequest, DeviceUnavailable, Selected};
-use crate::gpu::nvml::{Telemetry, nvml_lookup_keys};
+use crate::gpu::nvml::Telemetry;
 use crate::gpu::{DeviceCounters, GpuRuntime, StartError, selftest};
 use crate::metrics::{GpuMetrics, WorkerMetrics};
 
@@ -86,9 +86,7 @@ impl WorkerDevice {
             }
             Err(detail) => return Err(unusable(detail)),
         };
-        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-        let keys = nvml_lookup_keys(ordinal, &runtime.device.uuid, visible.as_deref());
-        let telemetry = match Telemetry::open(&keys) {
+        let telemetry = match Telemetry::open_cuda_device(ordinal, &runtime.device.uuid) {
             Ok(t) => Some(t),
             Err(e) => {
                 tracing::warn!("GPU {ordinal} runs without NVML telemetry: {e}");

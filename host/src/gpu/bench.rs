@@ -279,13 +279,9 @@ fn peak_bandwidth(runtime: &GpuRuntime) -> Option<f64> {
     if runtime.backend.is_emulated() {
         return None;
     }
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let keys = nvml::nvml_lookup_keys(
-        runtime.device.ordinal,
-        &runtime.device.uuid,
-        visible.as_deref(),
-    );
-    nvml::Telemetry::open(&keys).ok()?.peak_memory_bandwidth()
+    nvml::Telemetry::open_cuda_device(runtime.device.ordinal, &runtime.device.uuid)
+        .ok()?
+        .peak_memory_bandwidth()
 }
 
 /// The table is the one `host/gpu-peers.py` builds for cuDF: these values are what its numpy

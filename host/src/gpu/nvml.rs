@@ -121,6 +121,13 @@ impl Telemetry {
         })
     }
 
+    /// Opens NVML for CUDA device `ordinal` of this process, whose driver-reported UUID is
+    /// `cuda_uuid`: by its `CUDA_VISIBLE_DEVICES` entry first (see [`nvml_lookup_keys`]).
+    pub fn open_cuda_device(ordinal: u32, cuda_uuid: &str) -> Result<Self, TelemetryError> {
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        Self::open(&nvml_lookup_keys(ordinal, cuda_uuid, visible.as_deref()))
+    }
+
     pub fn identity(&self) -> &DeviceIdentity {
         &self.identity
     }

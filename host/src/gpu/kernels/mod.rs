@@ -51,9 +51,14 @@ pub enum KernelError {
 }
 
 /// The compute capabilities the loaded NVRTC compiles for, oldest first (NVRTC 13 starts at
-/// 7.5, 12.x at 5.0). Call only where NVRTC loads ([`nvrtc_library_present`]).
+/// 7.5, 12.x at 5.0).
 pub fn nvrtc_architectures() -> Result<Vec<(i32, i32)>, KernelError> {
     use cudarc::nvrtc::sys::{self, nvrtcResult};
+    if !nvrtc_library_present() {
+        return Err(KernelError::NoNvrtc(
+            super::detect::NoGpu::NvrtcLibraryMissing,
+        ));
+    }
     let check = |result: nvrtcResult| match result {
         nvrtcResult::NVRTC_SUCCESS => Ok(()),
         other => Err(KernelError::Query(other)),
@@ -69,7 +74,7 @@ pub fn nvrtc_architectures() -> Result<Vec<(i32, i32)>, KernelError> {
 }
 
 /// The loaded NVRTC's version, `major.minor` (`unknown` if it will not say). Call only where
-/// NVRTC loads.
+/// NVRTC loads (after [`nvrtc_architectures`] or [`nvrtc_library_present`]).
 pub fn nvrtc_version() -> String {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: NVRTC writes two ints.
@@ -188,11 +193,6 @@ impl KernelCache {
                 major: capability.0,
                 minor: capability.1,
             });
-        }
-        if !nvrtc_library_present() {
-            return Err(KernelError::NoNvrtc(
-                super::detect::NoGpu::NvrtcLibraryMissing,
-            ));
         }
         let arch = arch_option(arch_for(capability)?);
         let ptx = compile_ptx(FIXED_SOURCE, &arch, "wrk fixed kernels")?;
