@@ -486,3 +486,22 @@ fn a_gpu_gets_the_newest_architecture_nvrtc_has_up_to_its_own() {
     // Older than the kernels support, whatever NVRTC can do.
     assert_eq!(choose_arch((6, 1), &nvrtc_12), None);
 }
+
+#[test]
+fn no_common_architecture_names_nvrtc_its_architectures_and_the_gpu() {
+    let message = super::KernelError::NoArchitecture {
+        nvrtc: "13.0".into(),
+        supported: "7.5, 8.0, 9.0".into(),
+        major: 7,
+        minor: 0,
+    }
+    .to_string();
+    for part in [
+        "NVRTC 13.0",
+        "7.5, 8.0, 9.0",
+        "this GPU's 7.0",
+        "nvidia-cuda-nvrtc-cu12",
+    ] {
+        assert!(message.contains(part), "{part} in: {message}");
+    }
+}
