@@ -25,6 +25,27 @@ pub enum Memory {
     Host(HostMemory),
 }
 
+impl Drop for Memory {
+    fn drop(&mut self) {
+        // cudarc frees a slice (cuMemFreeAsync) without making its context current first, and a
+        // thread that never touched the device (a transfer or runtime thread that drops the last
+        // reference to a table) has none: the free would fail, leaking the memory, and cudarc
+        // would hand its error to the next call on the context, from whichever thread.
+        if let Memory::Cuda(slice) = self {
+            let context = slice.stream().context();
+            let current = cudarc::driver::result::ctx::get_current();
+            if !matches!(current, Ok(Some(c)) if c == context.cu_ctx()) {
+                // SAFETY: the context outlives the slice, which holds a reference to it.
+                if let Err(e) =
+                    unsafe { cudarc::driver::result::ctx::set_current(context.cu_ctx()) }
+                {
+                    tracing::warn!(error = %e, "making the CUDA context current to free a buffer");
+                }
+            }
+        }
+    }
+}
+
 /// Host memory standing in for device memory. Each buffer is mapped on its own and ends where
 /// an inaccessible guard page begins, so a kernel that writes or reads past the end faults at
 /// that instruction instead of corrupting the heap. The bytes are 8-byte aligned and start as

@@ -404,7 +404,7 @@ pub fn download(runtime: &GpuRuntime, table: &DeviceTable) -> Result<RecordBatch
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::{Float64Array, Int32Array, StringArray};
+    use arrow::array::{Float64Array, Int32Array, Int64Array, StringArray};
 
     #[test]
     fn every_contract_type_but_wide_strings_has_a_device_layout() {
@@ -434,6 +434,30 @@ mod tests {
         assert_eq!(validity_bytes(&without), None);
         let sliced = StringArray::from(vec![Some("a"), None, Some("c")]).slice(1, 2);
         assert_eq!(validity_bytes(&sliced), Some(vec![0, 1]));
+    }
+
+    /// A table dropped on a thread that never used the device (a transfer thread releasing a
+    /// partition) is freed there, and a copy on another such thread still works: on a GPU,
+    /// freeing without the context made current failed and poisoned the next call.
+    #[test]
+    fn a_table_freed_on_another_thread_leaves_the_device_usable() {
+        let Some(runtime) = super::super::test_device("a_table_freed_on_another_thread") else {
+            return;
+        };
+        let batch = RecordBatch::try_from_iter(vec![(
+            "i",
+            Arc::new(Int64Array::from_iter_values(0..100_000)) as ArrayRef,
+        )])
+        .unwrap();
+        let dropped = upload(&runtime, &batch).unwrap();
+        let kept = upload(&runtime, &batch).unwrap();
+        std::thread::spawn(move || drop(dropped)).join().unwrap();
+        let worker = runtime.clone();
+        let back = std::thread::spawn(move || download(&worker, &kept).map_err(|e| e.to_string()))
+            .join()
+            .unwrap();
+        assert_eq!(back.unwrap().columns(), batch.columns());
+        assert_eq!(runtime.pool.stats().used, 0);
     }
 
     #[test]
