@@ -272,15 +272,18 @@ mod tests {
 
     #[test]
     fn an_explicit_gpu_fails_clearly_without_one_and_auto_falls_back() {
-        let mut metrics = WorkerMetrics::new(compile_cache_counter());
+        // Two workers' devices: each registers its device series in its own metrics.
         let explicit = WorkerDevice::start(
             &DeviceConfig {
                 request: DeviceRequest::Gpu(0),
                 pool_bytes: None,
             },
-            &mut metrics,
+            &mut WorkerMetrics::new(compile_cache_counter()),
         );
-        let auto = WorkerDevice::start(&DeviceConfig::default(), &mut metrics);
+        let auto = WorkerDevice::start(
+            &DeviceConfig::default(),
+            &mut WorkerMetrics::new(compile_cache_counter()),
+        );
         if detect::probe(0).is_err() {
             let err = explicit.err().expect("gpu:0 without a GPU must fail");
             assert!(

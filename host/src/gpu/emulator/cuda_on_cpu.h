@@ -49,6 +49,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(...)
 
 struct wrk_emu_dim3 {
     unsigned x, y, z;

@@ -216,7 +216,7 @@ fn kernels_in(preprocessed: &str) -> Vec<(String, bool)> {
     let mut kernels: Vec<(String, bool)> = preprocessed
         .match_indices(KERNEL_MARK)
         .filter_map(|(at, _)| {
-            let rest = &preprocessed[at + KERNEL_MARK.len()..];
+            let rest = preprocessed[at + KERNEL_MARK.len()..].trim_start();
             let name: String = rest
                 .chars()
                 .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
@@ -278,7 +278,16 @@ fn run_compiler(flags: &[&str], input: &Path, output: Option<&Path>) -> Result<S
 }
 
 /// The flags of every compilation (the precompiled header is only used with the same ones).
-const COMMON_FLAGS: [&str; 3] = ["-std=c++20", "-w", "-O2"];
+/// `_FORTIFY_SOURCE`, which some distributions' compilers define by default (Ubuntu's), turns
+/// `_longjmp` into a checked one that aborts the process when it jumps to another stack, which
+/// is how the emulator switches between a block's threads.
+const COMMON_FLAGS: [&str; 5] = [
+    "-std=c++20",
+    "-w",
+    "-O2",
+    "-U_FORTIFY_SOURCE",
+    "-D_FORTIFY_SOURCE=0",
+];
 
 /// The directory holding [`HEADER`] and, where the compiler makes one, its precompiled form
 /// (`.gch`), which takes a module's compilation from about a second to a third of one. It is
