@@ -54,7 +54,7 @@ pub enum Arg<'a> {
 }
 
 /// Threads per block of the row kernels (grid-stride loops).
-const BLOCK: u32 = 256;
+pub(crate) const BLOCK: u32 = 256;
 /// Threads per block of the scan (its blocks scan exactly this many values).
 const SCAN_BLOCK: u32 = 1024;
 
@@ -66,6 +66,24 @@ pub fn rows_config(n: usize) -> LaunchConfig {
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// The most groups the accumulating kernels keep in shared memory (`WRK_SHARED_GROUPS` in
+/// `fixed.cu`): up to this many, each warp of a block accumulates its rows privately and the
+/// block adds its totals into the global accumulators once.
+pub const SHARED_GROUPS: usize = 256;
+/// The most blocks of an accumulating launch over at most [`SHARED_GROUPS`] groups: several
+/// per multiprocessor of the largest GPUs, and few enough that the blocks' final adds (one per
+/// group per block) stay cheap.
+const ACCUMULATE_BLOCKS: u32 = 1024;
+
+/// A grid for an accumulating kernel over `n` rows into `groups` accumulators.
+pub fn accumulate_config(n: usize, groups: usize) -> LaunchConfig {
+    let mut config = rows_config(n);
+    if groups <= SHARED_GROUPS {
+        config.grid_dim.0 = config.grid_dim.0.min(ACCUMULATE_BLOCKS);
+    }
+    config
 }
 
 /// Checks that `rows` fit the kernels' `u32` row indices.
@@ -160,6 +178,19 @@ pub fn launch(
 pub fn run(runtime: &GpuRuntime, name: &str, n: usize, args: &[Arg<'_>]) -> Result<(), ExecError> {
     let kernel = runtime.kernels.fixed(name)?;
     launch(runtime, &kernel, name, rows_config(n), args)
+}
+
+/// Runs the accumulating kernel `name` (one built on `WRK_ACCUMULATE`) over `n` rows into
+/// `groups` accumulators.
+pub fn run_accumulate(
+    runtime: &GpuRuntime,
+    name: &str,
+    n: usize,
+    groups: usize,
+    args: &[Arg<'_>],
+) -> Result<(), ExecError> {
+    let kernel = runtime.kernels.fixed(name)?;
+    launch(runtime, &kernel, name, accumulate_config(n, groups), args)
 }
 
 /// A pool buffer of `count` elements of `width` bytes.

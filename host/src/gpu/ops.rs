@@ -36,7 +36,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use super::GpuRuntime;
 use super::exec::{
     self, Arg, ExecError, NONE, alloc, check_rows, filled_u8, filled_u32, filled_u64,
-    gather_column, gather_table, iota, radix_sort, run, selected_rows,
+    gather_column, gather_table, iota, radix_sort, run, run_accumulate, selected_rows,
 };
 use super::join_index::JoinIndex;
 use super::kernels::fused::{self, CodegenError, LiteralArg};
@@ -518,10 +518,11 @@ pub fn hash_partition(
     // Each row's partition, and each partition's row count.
     let words = alloc(runtime, n, 8)?;
     let counts = filled_u32(runtime, partitions as usize, 0)?;
-    run(
+    run_accumulate(
         runtime,
         "wrk_partition_of",
         n,
+        partitions as usize,
         &[
             Arg::Buf(&hashes),
             Arg::U64(u64::from(partitions)),
@@ -1116,15 +1117,17 @@ fn aggregate_column(
     const OP: &str = "group-by";
     let n = values.len;
     let counts = filled_u64(runtime, groups, 0)?;
-    run(
+    run_accumulate(
         runtime,
         "wrk_agg_count",
         n,
+        groups,
         &[
             Arg::Opt(values.validity.as_ref()),
             Arg::Buf(row_group),
             Arg::Buf(&counts),
             Arg::I64(n as i64),
+            Arg::I64(groups as i64),
         ],
     )?;
     let data_type = &values.data_type;
@@ -1168,24 +1171,26 @@ fn aggregate_column(
         offsets: None,
         validity: None,
     };
-    let accumulate = |kernel: String, source: &DeviceColumn, acc: &super::pool::DeviceBuffer| {
-        run(
-            runtime,
-            &kernel,
-            n,
-            &[
-                Arg::Buf(&source.values),
-                Arg::Opt(source.validity.as_ref()),
-                Arg::Buf(row_group),
-                Arg::Buf(acc),
-                Arg::I64(n as i64),
-            ],
-        )
+    // The min and max kernels also take their accumulators' start.
+    let accumulate = |kernel: String,
+                      source: &DeviceColumn,
+                      acc: &super::pool::DeviceBuffer,
+                      start: Option<u64>| {
+        let mut args = vec![
+            Arg::Buf(&source.values),
+            Arg::Opt(source.validity.as_ref()),
+            Arg::Buf(row_group),
+            Arg::Buf(acc),
+            Arg::I64(n as i64),
+            Arg::I64(groups as i64),
+        ];
+        args.extend(start.map(Arg::U64));
+        run_accumulate(runtime, &kernel, n, groups, &args)
     };
     match function {
         AggregateFn::Sum => {
             let acc = filled_u64(runtime, groups, 0)?;
-            accumulate(format!("wrk_agg_sum_{suffix}"), values, &acc)?;
+            accumulate(format!("wrk_agg_sum_{suffix}"), values, &acc, None)?;
             let result_type = if float {
                 DataType::Float64
             } else if unsigned {
@@ -1211,7 +1216,7 @@ fn aggregate_column(
             };
             let source = as_float.as_ref().unwrap_or(values);
             let sums = filled_u64(runtime, groups, 0)?;
-            accumulate("wrk_agg_sum_f64".into(), source, &sums)?;
+            accumulate("wrk_agg_sum_f64".into(), source, &sums, None)?;
             let means = alloc(runtime, groups, 8)?;
             run(
                 runtime,
@@ -1241,7 +1246,12 @@ fn aggregate_column(
             };
             let acc = filled_u64(runtime, groups, start)?;
             let which = if min { "min" } else { "max" };
-            accumulate(format!("wrk_agg_{which}_{suffix}"), values, &acc)?;
+            accumulate(
+                format!("wrk_agg_{which}_{suffix}"),
+                values,
+                &acc,
+                Some(start),
+            )?;
             // The result has the input's type (as the CPU backend casts it back).
             let width = value_width(data_type).unwrap_or(8);
             let out = if width == 8 {

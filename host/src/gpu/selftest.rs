@@ -347,9 +347,9 @@ pub fn compare_all(runtime: &GpuRuntime, table: &RecordBatch) -> Result<(), Self
     }
 
     // Hash-partition on an int and a string key, into a few partitions and into many (some
-    // of them empty).
+    // of them empty), counted in shared memory and, past WRK_SHARED_GROUPS, in global memory.
     let keys = ["k".to_string(), "s".to_string()];
-    for partitions in [5, 64] {
+    for partitions in [5, 64, 300] {
         let d = ops::hash_partition(runtime, &device, &keys, partitions)
             .map_err(|e| failed("hash-partition")(e.to_string()))?;
         let h = cpu::partition::hash_partition(table, &keys, partitions)

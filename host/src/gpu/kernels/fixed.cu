@@ -139,6 +139,44 @@ WRK_HD wrk_u64 wrk_hash_bytes(const wrk_u8* p, wrk_u64 len) { return wrk_mix(wrk
     for (wrk_i64 i = blockIdx.x * (wrk_i64)blockDim.x + threadIdx.x; i < (n); i += (wrk_i64)blockDim.x * gridDim.x)
 #define WRK_VALID(valid, i) ((valid) == 0 || (valid)[i] != 0)
 
+// Accumulating rows into few groups (a group-by's aggregates, a hash-partition's counts): every
+// row adding into one of a few global accumulators serialises the whole GPU on their atomics
+// (one address, or a few in one cache line of one L2 slice). With at most WRK_SHARED_GROUPS
+// groups, each warp of a block adds into its own copy of the accumulators in shared memory, and
+// the block adds its copies into the global ones once at the end; the host launches such
+// kernels over fewer blocks (exec::accumulate_config), so there are few of those adds. More
+// groups spread the atomics over many addresses: rows add into the global accumulators.
+//
+// WRK_ACCUMULATE(ACC, acc, groups, identity, KEEP, GROUP, VALUE, ADD, COMBINE): for each row
+// i (grid-stride) where KEEP(i), ADD(&acc[GROUP(i)], VALUE(i)), ADD being an atomic and
+// COMBINE(a, b) the same operation on two values, with `identity` its neutral value.
+#define WRK_SHARED_GROUPS 256
+#define WRK_SHARED_WARPS 8
+#define WRK_ACCUMULATE(ACC, acc, groups, identity, KEEP, GROUP, VALUE, ADD, COMBINE)                      \
+    __shared__ ACC wrk_shared[WRK_SHARED_WARPS * WRK_SHARED_GROUPS];                                     \
+    if ((groups) <= WRK_SHARED_GROUPS && blockDim.x <= 32 * WRK_SHARED_WARPS) {                          \
+        const int wrk_warps = (blockDim.x + 31) >> 5;                                                     \
+        for (int s = threadIdx.x; s < wrk_warps * (int)(groups); s += blockDim.x) wrk_shared[s] = (identity); \
+        __syncthreads();                                                                                  \
+        ACC* wrk_mine = wrk_shared + (threadIdx.x >> 5) * (int)(groups);                                  \
+        WRK_ROWS(i, n) {                                                                                  \
+            if (KEEP(i)) ADD(&wrk_mine[GROUP(i)], VALUE(i));                                              \
+        }                                                                                                 \
+        __syncthreads();                                                                                  \
+        for (int g = threadIdx.x; g < (int)(groups); g += blockDim.x) {                                   \
+            ACC total = wrk_shared[g];                                                                    \
+            for (int w = 1; w < wrk_warps; w++) total = COMBINE(total, wrk_shared[w * (int)(groups) + g]); \
+            ADD(&(acc)[g], total);                                                                        \
+        }                                                                                                 \
+    } else {                                                                                              \
+        WRK_ROWS(i, n) {                                                                                  \
+            if (KEEP(i)) ADD(&(acc)[GROUP(i)], VALUE(i));                                                 \
+        }                                                                                                 \
+    }
+#define WRK_PLUS(a, b) ((a) + (b))
+#define WRK_LESSER(a, b) ((b) < (a) ? (b) : (a))
+#define WRK_GREATER(a, b) ((b) > (a) ? (b) : (a))
+
 // ---------------------------------------------------------------------------------------------
 // Hash-partition: combine one key column into the row hashes, then pick partition rows.
 // ---------------------------------------------------------------------------------------------
@@ -175,11 +213,13 @@ extern "C" __global__ void wrk_hash_str(const int* offsets, const wrk_u8* bytes,
 // Row i's partition of `parts` (as a word to sort by), counted in `counts`.
 extern "C" __global__ void wrk_partition_of(const wrk_u64* hashes, wrk_u64 parts, wrk_u64* words,
                                             wrk_u32* counts, wrk_i64 n) {
-    WRK_ROWS(i, n) {
-        wrk_u64 part = hashes[i] % parts;
-        words[i] = part;
-        atomicAdd(&counts[part], 1u);
-    }
+#define WRK_PART_KEEP(i) (words[i] = hashes[i] % parts, true)
+#define WRK_PART_GROUP(i) words[i]
+#define WRK_ONE(i) 1u
+    WRK_ACCUMULATE(wrk_u32, counts, parts, 0u, WRK_PART_KEEP, WRK_PART_GROUP, WRK_ONE, atomicAdd, WRK_PLUS)
+#undef WRK_PART_KEEP
+#undef WRK_PART_GROUP
+#undef WRK_ONE
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -517,22 +557,26 @@ extern "C" __global__ void wrk_group_insert(const wrk_u64* words, const wrk_u8* 
             wrk_u64 k = words[i];
             slot = wrk_slot_of(k, mask);
             while (true) {
-                int state = atomicCAS(&slot_state[slot], 0, 1);
+                // A slot already claimed is read, not claimed again: with few groups nearly
+                // every row finds its group's slot filled, and atomics on those few slots
+                // would serialise.
+                int state = ((volatile int*)slot_state)[slot];
+                if (state == 0) state = atomicCAS(&slot_state[slot], 0, 1);
                 if (state == 0) {
                     ((volatile wrk_u64*)slot_words)[slot] = k;
                     __threadfence();
                     atomicExch(&slot_state[slot], 2);
                     break;
                 }
-                while (atomicAdd(&slot_state[slot], 0) == 1) {
-                }
+                while (state == 1) state = atomicAdd(&slot_state[slot], 0);
                 __threadfence();
                 if (((volatile wrk_u64*)slot_words)[slot] == k) break;
                 slot = (slot + 1) & mask;
             }
         }
         row_slot[i] = (wrk_u32)slot;
-        atomicMin(&first_row[slot], (wrk_u32)i);
+        // First rows only go down: a row after the slot's first row so far changes nothing.
+        if ((wrk_u32)i < ((volatile wrk_u32*)first_row)[slot]) atomicMin(&first_row[slot], (wrk_u32)i);
     }
 }
 
@@ -578,10 +622,13 @@ extern "C" __global__ void wrk_row_groups(const wrk_u32* row_slot, const wrk_u32
 // Aggregates with atomics. Counts of valid values; sums wrap for integers (as wrapping_add);
 // min/max of floats start from NaN and use fmin/fmax (NaN only when every value is NaN, as
 // f64::min folds); the caller nulls groups whose count is 0.
-extern "C" __global__ void wrk_agg_count(const wrk_u8* valid, const wrk_u32* row_group, wrk_u64* counts, wrk_i64 n) {
-    WRK_ROWS(i, n) {
-        if (WRK_VALID(valid, i)) atomicAdd(&counts[row_group[i]], 1ULL);
-    }
+#define WRK_ROW_VALID(i) WRK_VALID(valid, i)
+#define WRK_ROW_GROUP(i) row_group[i]
+#define WRK_ROW_VALUE(i) values[i]
+#define WRK_ONE_ULL(i) 1ULL
+extern "C" __global__ void wrk_agg_count(const wrk_u8* valid, const wrk_u32* row_group, wrk_u64* counts, wrk_i64 n,
+                                         wrk_i64 groups) {
+    WRK_ACCUMULATE(wrk_u64, counts, groups, 0ULL, WRK_ROW_VALID, WRK_ROW_GROUP, WRK_ONE_ULL, atomicAdd, WRK_PLUS)
 }
 
 WRK_HD void wrk_atomic_fmin(double* at, double v) {
@@ -606,10 +653,9 @@ WRK_HD void wrk_atomic_fmax(double* at, double v) {
 
 #define WRK_AGG_KERNELS(suffix, T, WIDE, ACC)                                                         \
     extern "C" __global__ void wrk_agg_sum_##suffix(const T* values, const wrk_u8* valid, const wrk_u32* row_group, \
-                                                    ACC* sums, wrk_i64 n) {                          \
-        WRK_ROWS(i, n) {                                                                              \
-            if (WRK_VALID(valid, i)) atomicAdd((WIDE*)&sums[row_group[i]], (WIDE)values[i]);          \
-        }                                                                                             \
+                                                    ACC* sums, wrk_i64 n, wrk_i64 groups) {          \
+        WRK_ACCUMULATE(WIDE, (WIDE*)sums, groups, (WIDE)0, WRK_ROW_VALID, WRK_ROW_GROUP, WRK_ROW_VALUE, \
+                       atomicAdd, WRK_PLUS)                                                           \
     }
 // Integer sums add as unsigned 64-bit (wrapping); float sums as double.
 WRK_AGG_KERNELS(i8, signed char, unsigned long long, long long)
@@ -623,29 +669,36 @@ WRK_AGG_KERNELS(u64, unsigned long long, unsigned long long, unsigned long long)
 WRK_AGG_KERNELS(f32, float, double, double)
 WRK_AGG_KERNELS(f64, double, double, double)
 
-#define WRK_MINMAX_KERNELS(suffix, T, ACC, MIN, MAX)                                                   \
+// An accumulator's start from its bits (as the host fills the global accumulators).
+WRK_HD void wrk_from_bits(wrk_u64 bits, long long* v) { *v = (long long)bits; }
+WRK_HD void wrk_from_bits(wrk_u64 bits, unsigned long long* v) { *v = bits; }
+WRK_HD void wrk_from_bits(wrk_u64 bits, double* v) { *v = __longlong_as_double((long long)bits); }
+
+// `identity` is the accumulators' start (the neutral value of the minimum or maximum), as bits.
+#define WRK_MINMAX_KERNELS(suffix, T, ACC, MIN, MAX, LESSER, GREATER)                                  \
     extern "C" __global__ void wrk_agg_min_##suffix(const T* values, const wrk_u8* valid, const wrk_u32* row_group, \
-                                                    ACC* acc, wrk_i64 n) {                            \
-        WRK_ROWS(i, n) {                                                                               \
-            if (WRK_VALID(valid, i)) MIN(&acc[row_group[i]], (ACC)values[i]);                          \
-        }                                                                                              \
+                                                    ACC* acc, wrk_i64 n, wrk_i64 groups, wrk_u64 identity) { \
+        ACC start;                                                                                     \
+        wrk_from_bits(identity, &start);                                                               \
+        WRK_ACCUMULATE(ACC, acc, groups, start, WRK_ROW_VALID, WRK_ROW_GROUP, WRK_ROW_VALUE, MIN, LESSER) \
     }                                                                                                  \
     extern "C" __global__ void wrk_agg_max_##suffix(const T* values, const wrk_u8* valid, const wrk_u32* row_group, \
-                                                    ACC* acc, wrk_i64 n) {                            \
-        WRK_ROWS(i, n) {                                                                               \
-            if (WRK_VALID(valid, i)) MAX(&acc[row_group[i]], (ACC)values[i]);                          \
-        }                                                                                              \
+                                                    ACC* acc, wrk_i64 n, wrk_i64 groups, wrk_u64 identity) { \
+        ACC start;                                                                                     \
+        wrk_from_bits(identity, &start);                                                               \
+        WRK_ACCUMULATE(ACC, acc, groups, start, WRK_ROW_VALID, WRK_ROW_GROUP, WRK_ROW_VALUE, MAX, GREATER) \
     }
-WRK_MINMAX_KERNELS(i8, signed char, long long, atomicMin, atomicMax)
-WRK_MINMAX_KERNELS(i16, short, long long, atomicMin, atomicMax)
-WRK_MINMAX_KERNELS(i32, int, long long, atomicMin, atomicMax)
-WRK_MINMAX_KERNELS(i64, long long, long long, atomicMin, atomicMax)
-WRK_MINMAX_KERNELS(u8, unsigned char, unsigned long long, atomicMin, atomicMax)
-WRK_MINMAX_KERNELS(u16, unsigned short, unsigned long long, atomicMin, atomicMax)
-WRK_MINMAX_KERNELS(u32, unsigned int, unsigned long long, atomicMin, atomicMax)
-WRK_MINMAX_KERNELS(u64, unsigned long long, unsigned long long, atomicMin, atomicMax)
-WRK_MINMAX_KERNELS(f32, float, double, wrk_atomic_fmin, wrk_atomic_fmax)
-WRK_MINMAX_KERNELS(f64, double, double, wrk_atomic_fmin, wrk_atomic_fmax)
+#define WRK_INT_MINMAX(suffix, T, ACC) WRK_MINMAX_KERNELS(suffix, T, ACC, atomicMin, atomicMax, WRK_LESSER, WRK_GREATER)
+WRK_INT_MINMAX(i8, signed char, long long)
+WRK_INT_MINMAX(i16, short, long long)
+WRK_INT_MINMAX(i32, int, long long)
+WRK_INT_MINMAX(i64, long long, long long)
+WRK_INT_MINMAX(u8, unsigned char, unsigned long long)
+WRK_INT_MINMAX(u16, unsigned short, unsigned long long)
+WRK_INT_MINMAX(u32, unsigned int, unsigned long long)
+WRK_INT_MINMAX(u64, unsigned long long, unsigned long long)
+WRK_MINMAX_KERNELS(f32, float, double, wrk_atomic_fmin, wrk_atomic_fmax, fmin, fmax)
+WRK_MINMAX_KERNELS(f64, double, double, wrk_atomic_fmin, wrk_atomic_fmax, fmin, fmax)
 
 // Count-distinct: each (group, value) pair, by its first row, counts one for its group when the
 // value is valid.

@@ -22,6 +22,7 @@ use std::fmt::Write as _;
 
 use arrow::datatypes::{DataType, Schema};
 
+use super::super::exec::BLOCK;
 use crate::cpu::fused::fusible;
 use crate::expr::{Expr, Literal, common_type, numeric_result};
 use crate::guest_api::wit::{BinaryOp, UnaryOp};
@@ -216,14 +217,18 @@ pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenErro
     let mut body = String::new();
     let _ = write!(
         body,
-        "extern \"C\" __global__ void __KERNEL_NAME__(long long n, int* error"
+        "extern \"C\" __global__ void __launch_bounds__({BLOCK}) __KERNEL_NAME__(long long n, \
+         int* error"
     );
     for (k, input) in generator.inputs.iter().enumerate() {
         if input.data_type == DataType::Utf8 {
-            let _ = write!(body, ", const int* off{k}");
+            let _ = write!(body, ", const int* __restrict__ off{k}");
         }
         let ty = column_storage_type(&input.data_type).unwrap_or("unsigned char");
-        let _ = write!(body, ", const {ty}* in{k}, const unsigned char* valid{k}");
+        let _ = write!(
+            body,
+            ", const {ty}* __restrict__ in{k}, const unsigned char* __restrict__ valid{k}"
+        );
     }
     for (j, literal) in generator.literals.iter().enumerate() {
         let ty = match literal {
@@ -232,7 +237,10 @@ pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenErro
             LiteralArg::U64(_) => "unsigned long long",
             LiteralArg::Bool(_) => "int",
             LiteralArg::Str(_) => {
-                let _ = write!(body, ", const unsigned char* lit{j}, int lit{j}_len");
+                let _ = write!(
+                    body,
+                    ", const unsigned char* __restrict__ lit{j}, int lit{j}_len"
+                );
                 continue;
             }
         };
@@ -240,7 +248,7 @@ pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenErro
     }
     let _ = writeln!(
         body,
-        ", {}* out, unsigned char* out_valid) {{",
+        ", {}* __restrict__ out, unsigned char* __restrict__ out_valid) {{",
         kind.storage_type()
     );
     body.push_str(
@@ -778,7 +786,7 @@ pub(crate) mod tests {
         assert_eq!(k.literals, vec![LiteralArg::F64(10.0)]);
         assert_eq!(k.output, Kind::Bool);
         let source = k.source();
-        assert!(source.contains("extern \"C\" __global__ void wrk_fused(long long n, int* error, const double* in0, const unsigned char* valid0, double lit0, unsigned char* out, unsigned char* out_valid)"), "{source}");
+        assert!(source.contains("extern \"C\" __global__ void __launch_bounds__(256) wrk_fused(long long n, int* error, const double* __restrict__ in0, const unsigned char* __restrict__ valid0, double lit0, unsigned char* __restrict__ out, unsigned char* __restrict__ out_valid)"), "{source}");
         assert!(source.contains("x0 = (double)in0[i];"), "{source}");
         assert!(source.contains("x2 = wrk_cmp_f64(x0, x1) > 0;"), "{source}");
     }
