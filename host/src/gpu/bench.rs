@@ -2,7 +2,8 @@
 //! on a GPU machine): the taxi haversine pass as one fused kernel, a group-by, a join, a sort and
 //! a hash-partition on the GPU, each next to the CPU backend on the same data; the haversine
 //! pass's effective memory bandwidth next to the card's (its peak from NVML, and a
-//! device-to-device copy measured in the same run). `BENCH_ROWS` sets the row count (20 M).
+//! device-to-device copy measured in the same run), and that of a pass moving the same bytes
+//! with almost no arithmetic (the four coordinates added up). `BENCH_ROWS` sets the row count (20 M).
 //! Without a GPU it runs on the CUDA emulator (for checking the benchmark itself; its figures
 //! then mean nothing), unless `WRK_REQUIRE_GPU=1`.
 //!
@@ -174,6 +175,16 @@ fn device_operator_benchmark() {
         || ops::evaluate(&runtime, &device, &expr),
         || cpu::eval::evaluate(&expr, &batch).unwrap(),
     );
+    // The same bytes with almost no arithmetic: what the fused path moves when memory alone
+    // bounds it (the haversine's double-precision sines, cosines and arcsine cost time too).
+    let added = four_column_sum();
+    let column_add = compare(
+        &runtime,
+        "column-add",
+        5,
+        || ops::evaluate(&runtime, &device, &added),
+        || cpu::eval::evaluate(&added, &batch).unwrap(),
+    );
     let aggregates = [Aggregate {
         column: "pickup_longitude".into(),
         function: AggregateFn::Mean,
@@ -233,29 +244,46 @@ fn device_operator_benchmark() {
         bytes / upload_s / 1e9,
         bytes / download_s / 1e9
     );
-    // 4 f64 read, one f64 and one validity byte written per row.
-    let Some(haversine) = haversine else { return };
-    let bandwidth = rows as f64 * (4.0 * 8.0 + 9.0) / haversine;
-    let share = |of: Option<f64>| match of {
-        Some(card) => format!(
-            "{:.1} GB/s, haversine at {:.0}%",
-            card / 1e9,
-            100.0 * bandwidth / card
-        ),
-        None => "unknown".into(),
+    // Both passes read 4 f64 and write one f64 and one validity byte per row.
+    let bandwidth = |seconds: f64| rows as f64 * (4.0 * 8.0 + 9.0) / seconds;
+    let passes: Vec<(&str, f64)> = [("haversine", haversine), ("column-add", column_add)]
+        .into_iter()
+        .filter_map(|(name, seconds)| Some((name, bandwidth(seconds?))))
+        .collect();
+    for (name, achieved) in &passes {
+        println!("  {name} effective bandwidth {:.1} GB/s", achieved / 1e9);
+    }
+    let shares = |card: f64| {
+        let of_card: Vec<String> = passes
+            .iter()
+            .map(|(name, achieved)| format!("{name} at {:.0}%", 100.0 * achieved / card))
+            .collect();
+        format!("{:.1} GB/s, {}", card / 1e9, of_card.join(", "))
     };
     println!(
-        "  haversine effective bandwidth {:.1} GB/s",
-        bandwidth / 1e9
-    );
-    println!(
         "  card peak memory bandwidth (NVML) {}",
-        share(peak_bandwidth(&runtime))
+        peak_bandwidth(&runtime).map_or("unknown".into(), shares)
     );
     println!(
         "  device-to-device copy (bytes read + written) {}",
-        share(Some(copy_bandwidth(&runtime)))
+        shares(copy_bandwidth(&runtime))
     );
+}
+
+/// The four coordinates added up: the haversine's inputs and output, without its arithmetic.
+fn four_column_sum() -> Expr {
+    let c = |n: &str| Arc::new(Expr::col(n));
+    let add = |lhs, rhs| {
+        Arc::new(Expr::Binary {
+            op: BinaryOp::Add,
+            lhs,
+            rhs,
+        })
+    };
+    Arc::unwrap_or_clone(add(
+        add(c("pickup_longitude"), c("pickup_latitude")),
+        add(c("dropoff_longitude"), c("dropoff_latitude")),
+    ))
 }
 
 /// A device-to-device copy of up to 1 GiB (an eighth of the pool at most), best of 5, in bytes
