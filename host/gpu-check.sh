@@ -28,7 +28,7 @@
 #                 series and its device log line
 #   peers         the benchmark's operators in cuDF on the same card (host/gpu-peers.py), next
 #                 to wrk's times from the last bench step on this machine; a skip line where
-#                 cuDF is not installed
+#                 cuDF is not installed (host/gpu-wheels.sh's, found by its env.sh)
 #   engine        the engine benchmark's queries (guest-examples/engine-bench/engines.py) over
 #                 ENGINE_ROWS (20 M) trips written by `wrk gen-taxi`: wrk with one worker (of
 #                 ENGINE_SLOTS, 8, slots) on the GPU next to the peers that import here (cuDF
@@ -162,7 +162,23 @@ cluster() {
     fi
 }
 
+# cuDF where host/gpu-wheels.sh put it: its packages and libraries, for the steps that compare
+# with it (peers, engine).
+cudf_env=${WRK_CUDF_SITE:-/tmp/wrk-cudf}/env.sh
+export cudf_env last
+with_cudf() {
+    if [ -f "$cudf_env" ]; then
+        . "$cudf_env"
+    fi
+}
+
+peers() {
+    with_cudf
+    python3 host/gpu-peers.py --wrk "$last/bench.log"
+}
+
 engine() {
+    with_cudf
     local rows=${ENGINE_ROWS:-20000000}
     local drivers=$((rows / 4))
     if [ ! -f "data/bench/rows-$rows-drivers-$drivers" ]; then
@@ -182,8 +198,8 @@ for s in "${steps[@]}"; do
     bench) step bench 300 "${host_tests[@]}" gpu::bench --ignored --nocapture ;;
     integration) step integration 300 "${integration[@]}" device:: gpu_worker:: --nocapture ;;
     cluster) step cluster 90 bash -c "$(declare -f cluster); cluster" ;;
-    peers) step peers 300 python3 host/gpu-peers.py --wrk "$last/bench.log" ;;
-    engine) step engine 400 bash -c "$(declare -f engine); engine" ;;
+    peers) step peers 300 bash -c "$(declare -f with_cudf peers); peers" ;;
+    engine) step engine 400 bash -c "$(declare -f with_cudf engine); engine" ;;
     *)
         echo "gpu-check: unknown step $s (cluster, bench, host, integration, peers, engine)" >&2
         exit 2
