@@ -473,8 +473,16 @@ pub fn gather_table(
     })
 }
 
+/// Keys per block of the radix sort's kernels (`WRK_RADIX_TILE` in `fixed.cu`), which run
+/// [`RADIX_THREADS`] threads per block.
+const RADIX_TILE: usize = 2048;
+const RADIX_THREADS: u32 = 256;
+/// Digits of the radix sort (`WRK_RADIX_DIGITS`): 4 bits per pass.
+const RADIX_DIGITS: usize = 16;
+
 /// Stably reorders `perm` (`n` row indices) by the words they point at, in ascending unsigned
-/// order, one bit per pass over the bits that differ between the words.
+/// order: the words are gathered in `perm`'s order, then (word, row) pairs are sorted 4 bits
+/// per pass, over the digits where the words differ.
 pub fn radix_sort(
     runtime: &GpuRuntime,
     words: &DeviceBuffer,
@@ -499,36 +507,67 @@ pub fn radix_sort(
         u64::from_le_bytes(b)
     };
     let varying = word(0) ^ word(1);
-    let flags = alloc(runtime, n, 4)?;
-    let mut out = alloc(runtime, n, 4)?;
-    for bit in (0..64u32).filter(|b| varying & (1 << b) != 0) {
-        run(
+    let shifts: Vec<u32> = (0..64u32)
+        .step_by(4)
+        .filter(|shift| (varying >> shift) & 0xf != 0)
+        .collect();
+    if shifts.is_empty() {
+        return Ok(perm);
+    }
+    let mut keys = alloc(runtime, n, 8)?;
+    run(
+        runtime,
+        "wrk_gather_8",
+        n,
+        &[
+            Arg::Buf(words),
+            Arg::Buf(&perm),
+            Arg::Buf(&keys),
+            Arg::I64(n as i64),
+        ],
+    )?;
+    let tiles = n.div_ceil(RADIX_TILE);
+    let config = LaunchConfig {
+        grid_dim: (tiles as u32, 1, 1),
+        block_dim: (RADIX_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let count_kernel = runtime.kernels.fixed("wrk_radix_count")?;
+    let scatter_kernel = runtime.kernels.fixed("wrk_radix_scatter")?;
+    let counts = alloc(runtime, tiles * RADIX_DIGITS, 4)?;
+    let mut keys_out = alloc(runtime, n, 8)?;
+    let mut perm_out = alloc(runtime, n, 4)?;
+    for shift in shifts {
+        launch(
             runtime,
-            "wrk_radix_zero_flags",
-            n,
+            &count_kernel,
+            "wrk_radix_count",
+            config,
             &[
-                Arg::Buf(words),
-                Arg::Buf(&perm),
-                Arg::U32(bit),
-                Arg::Buf(&flags),
+                Arg::Buf(&keys),
+                Arg::U32(shift),
+                Arg::Buf(&counts),
                 Arg::I64(n as i64),
             ],
         )?;
-        let (zero_positions, zeros) = exclusive_scan(runtime, &flags, n)?;
-        run(
+        let (offsets, _) = exclusive_scan(runtime, &counts, tiles * RADIX_DIGITS)?;
+        launch(
             runtime,
+            &scatter_kernel,
             "wrk_radix_scatter",
-            n,
+            config,
             &[
+                Arg::Buf(&keys),
                 Arg::Buf(&perm),
-                Arg::Buf(&flags),
-                Arg::Buf(&zero_positions),
-                Arg::U32(zeros),
-                Arg::Buf(&out),
+                Arg::U32(shift),
+                Arg::Buf(&offsets),
+                Arg::Buf(&keys_out),
+                Arg::Buf(&perm_out),
                 Arg::I64(n as i64),
             ],
         )?;
-        std::mem::swap(&mut perm, &mut out);
+        std::mem::swap(&mut keys, &mut keys_out);
+        std::mem::swap(&mut perm, &mut perm_out);
     }
     Ok(perm)
 }
@@ -578,6 +617,60 @@ mod tests {
             let got = u32s(&to_host(&runtime, &indices, selected * 4).unwrap());
             let expected: Vec<u32> = (0..n as u32).filter(|i| i % 3 != 1).collect();
             assert_eq!(got, expected, "{n} values");
+        }
+    }
+
+    #[test]
+    fn the_radix_sort_is_stable_and_matches_the_host() {
+        let Some(runtime) = crate::gpu::test_device("the_radix_sort_matches_the_host") else {
+            return;
+        };
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        // Within a tile, a tile and one, several tiles; words over all 64 bits, words that
+        // differ only in a few middle bits (digits skipped), and many equal words (stability).
+        for n in [
+            2usize,
+            7,
+            RADIX_TILE,
+            RADIX_TILE + 1,
+            3 * RADIX_TILE + 77,
+            40_000,
+        ] {
+            for kind in 0..3 {
+                let words: Vec<u64> = (0..n)
+                    .map(|_| match kind {
+                        0 => next(),
+                        1 => 0xabc0_0000_0000_0007 | ((next() % 50) << 20),
+                        _ => next() % 5,
+                    })
+                    .collect();
+                // The rows start in an order of their own (reversed), as a later key's pass.
+                let perm: Vec<u32> = (0..n as u32).rev().collect();
+                let to_bytes = |v: &[u8]| to_device(&runtime, v).unwrap();
+                let device_words = to_bytes(
+                    &words
+                        .iter()
+                        .flat_map(|w| w.to_le_bytes())
+                        .collect::<Vec<_>>(),
+                );
+                let device_perm = to_bytes(
+                    &perm
+                        .iter()
+                        .flat_map(|r| r.to_le_bytes())
+                        .collect::<Vec<_>>(),
+                );
+                let sorted = radix_sort(&runtime, &device_words, device_perm, n).unwrap();
+                let got = u32s(&to_host(&runtime, &sorted, n * 4).unwrap());
+                let mut expected = perm.clone();
+                expected.sort_by_key(|&row| words[row as usize]);
+                assert_eq!(got, expected, "{n} words of kind {kind}");
+            }
         }
     }
 }

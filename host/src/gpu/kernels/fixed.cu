@@ -523,16 +523,78 @@ extern "C" __global__ void wrk_bits_in_use(const wrk_u64* words, wrk_u64* or_and
     atomicAnd(&or_and[1], all);
 }
 
-extern "C" __global__ void wrk_radix_zero_flags(const wrk_u64* words, const wrk_u32* perm, unsigned bit,
-                                                wrk_u32* flags, wrk_i64 n) {
-    WRK_ROWS(i, n) { flags[i] = ((words[perm[i]] >> bit) & 1ULL) == 0ULL ? 1u : 0u; }
+// Radix sort (LSD, stable) by 4-bit digits of (key, row) pairs, which move together so that each
+// pass reads its keys in order. A block takes a tile of WRK_RADIX_TILE keys and each of its
+// WRK_RADIX_THREADS threads a run of WRK_RADIX_ITEMS consecutive ones, so the keys of one digit
+// keep the input's order within the tile (threads in order, each its run in order). A thread
+// counts its run's digits in one word, 4 bits per digit (a run has fewer than 16 keys).
+#define WRK_RADIX_DIGITS 16
+#define WRK_RADIX_ITEMS 8
+#define WRK_RADIX_THREADS 256
+#define WRK_RADIX_TILE (WRK_RADIX_THREADS * WRK_RADIX_ITEMS)
+#define WRK_RADIX_SEGMENT 16
+#define WRK_RADIX_DIGIT(key, shift) ((unsigned)(((key) >> (shift)) & 15ULL))
+
+// The counts of this thread's run: WRK_RADIX_DIGITS fields of 4 bits.
+#define WRK_RADIX_RUN_COUNTS(packed, keys, shift, n)                                               \
+    wrk_u64 packed = 0ULL;                                                                         \
+    const wrk_i64 wrk_run = (wrk_i64)blockIdx.x * WRK_RADIX_TILE + (wrk_i64)threadIdx.x * WRK_RADIX_ITEMS; \
+    for (int j = 0; j < WRK_RADIX_ITEMS; j++) {                                                    \
+        if (wrk_run + j < (n)) packed += 1ULL << (4 * WRK_RADIX_DIGIT((keys)[wrk_run + j], shift)); \
+    }
+
+// prefix[d][t]: the keys of digit d in the runs of threads before t; total[d]: in the tile. Each
+// thread (d, s) = (t % 16, t / 16) scans row d's segment s of 16 threads, then adds the
+// segments before it. Rows are padded by one word so the 16 rows fall in different banks.
+#define WRK_RADIX_BLOCK_PREFIX(packed, prefix, total)                                              \
+    __shared__ wrk_u32 prefix[WRK_RADIX_DIGITS][WRK_RADIX_THREADS + 1];                            \
+    __shared__ wrk_u32 wrk_segments[WRK_RADIX_DIGITS][WRK_RADIX_THREADS / WRK_RADIX_SEGMENT];      \
+    __shared__ wrk_u32 total[WRK_RADIX_DIGITS];                                                    \
+    for (int d = 0; d < WRK_RADIX_DIGITS; d++) prefix[d][threadIdx.x] = (wrk_u32)((packed >> (4 * d)) & 15ULL); \
+    __syncthreads();                                                                               \
+    {                                                                                              \
+        const int d = threadIdx.x % WRK_RADIX_DIGITS, s = threadIdx.x / WRK_RADIX_DIGITS;         \
+        wrk_u32 run = 0;                                                                           \
+        for (int k = 0; k < WRK_RADIX_SEGMENT; k++) {                                              \
+            wrk_u32 v = prefix[d][s * WRK_RADIX_SEGMENT + k];                                      \
+            prefix[d][s * WRK_RADIX_SEGMENT + k] = run;                                            \
+            run += v;                                                                              \
+        }                                                                                          \
+        wrk_segments[d][s] = run;                                                                  \
+        __syncthreads();                                                                           \
+        wrk_u32 before = 0;                                                                        \
+        for (int k = 0; k < s; k++) before += wrk_segments[d][k];                                  \
+        for (int k = 0; k < WRK_RADIX_SEGMENT; k++) prefix[d][s * WRK_RADIX_SEGMENT + k] += before; \
+        if (s == WRK_RADIX_THREADS / WRK_RADIX_SEGMENT - 1) total[d] = before + run;               \
+    }                                                                                              \
+    __syncthreads();
+
+// counts[d * tiles + b]: the keys of tile b whose digit at `shift` is d (launched with
+// WRK_RADIX_THREADS threads per block, one block per tile).
+extern "C" __global__ void wrk_radix_count(const wrk_u64* keys, unsigned shift, wrk_u32* counts, wrk_i64 n) {
+    WRK_RADIX_RUN_COUNTS(packed, keys, shift, n)
+    WRK_RADIX_BLOCK_PREFIX(packed, prefix, total)
+    if (threadIdx.x < WRK_RADIX_DIGITS) counts[(wrk_i64)threadIdx.x * gridDim.x + blockIdx.x] = total[threadIdx.x];
 }
 
-extern "C" __global__ void wrk_radix_scatter(const wrk_u32* perm, const wrk_u32* flags, const wrk_u32* zero_pos,
-                                             wrk_u32 zeros, wrk_u32* out, wrk_i64 n) {
-    WRK_ROWS(i, n) {
-        wrk_u32 at = flags[i] ? zero_pos[i] : zeros + ((wrk_u32)i - zero_pos[i]);
-        out[at] = perm[i];
+// Moves each (key, row) pair to its place by the digit at `shift`: `offsets` is the exclusive
+// prefix sum of wrk_radix_count's counts (the place of tile b's first key of digit d).
+extern "C" __global__ void wrk_radix_scatter(const wrk_u64* keys, const wrk_u32* rows, unsigned shift,
+                                             const wrk_u32* offsets, wrk_u64* keys_out, wrk_u32* rows_out,
+                                             wrk_i64 n) {
+    WRK_RADIX_RUN_COUNTS(packed, keys, shift, n)
+    WRK_RADIX_BLOCK_PREFIX(packed, prefix, total)
+    wrk_u64 seen = 0ULL;
+    for (int j = 0; j < WRK_RADIX_ITEMS; j++) {
+        const wrk_i64 i = wrk_run + j;
+        if (i >= n) break;
+        const wrk_u64 key = keys[i];
+        const unsigned d = WRK_RADIX_DIGIT(key, shift);
+        const wrk_u32 at = offsets[(wrk_i64)d * gridDim.x + blockIdx.x] + prefix[d][threadIdx.x] +
+                           (wrk_u32)((seen >> (4 * d)) & 15ULL);
+        seen += 1ULL << (4 * d);
+        keys_out[at] = key;
+        rows_out[at] = rows[i];
     }
 }
 
