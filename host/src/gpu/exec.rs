@@ -494,10 +494,11 @@ pub fn radix_sort(
     }
     let init = [0u64.to_le_bytes(), u64::MAX.to_le_bytes()].concat();
     let or_and = super::table::to_device(runtime, &init)?;
-    run(
+    run_accumulate(
         runtime,
         "wrk_bits_in_use",
         n,
+        1,
         &[Arg::Buf(words), Arg::Buf(&or_and), Arg::I64(n as i64)],
     )?;
     let bytes = to_host(runtime, &or_and, 16)?;
