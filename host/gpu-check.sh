@@ -65,7 +65,9 @@ if [ "$mode" = bundle ]; then
     rm -rf "$unpacked"
     mkdir -p "$unpacked"
     xz -dc "$bundle" | tar -C "$unpacked" -xf - || exit 2
-    echo "gpu-check: the bundle of commit $(cat "$unpacked/commit") (this tree: $(git rev-parse HEAD 2>/dev/null || echo unknown))"
+    # (Not compared with this tree's HEAD: the lent machines receive the files, and a .git there
+    # can be older than them.)
+    echo "gpu-check: the bundle of commit $(cat "$unpacked/commit")"
     export WRK_TEST_ARTIFACTS=$unpacked WRK_WORKSPACE_ROOT=$root
     wrk=$unpacked/wrk
     host_tests=("$unpacked/wrk-host-tests")
