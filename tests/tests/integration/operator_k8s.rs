@@ -47,11 +47,18 @@ fn script() -> PathBuf {
     crate::common::workspace_root().join("operator/testenv/k8s.sh")
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+/// `N` distinct free ports: each listener is held until all are chosen, so the system cannot
+/// hand out one port twice (etcd once got the API server's port, and the API server failed).
+fn free_ports<const N: usize>() -> [u16; N] {
+    let listeners: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port"))
+        .collect();
+    std::array::from_fn(|i| {
+        listeners[i]
+            .local_addr()
+            .map(|a| a.port())
+            .expect("a listener's address")
+    })
 }
 
 /// A running control plane, stopped (by the process ids the script recorded) on drop.
@@ -80,13 +87,14 @@ impl ControlPlane {
             .expect("run k8s.sh build");
         assert!(status.success(), "k8s.sh build failed");
         let dir = tempfile::tempdir().expect("temp dir");
+        let [api_port, etcd_port, etcd_peer_port] = free_ports();
         let output = Command::new("bash")
             .arg(script())
             .arg("start")
             .arg(dir.path())
-            .env("WRK_K8S_API_PORT", free_port().to_string())
-            .env("WRK_K8S_ETCD_PORT", free_port().to_string())
-            .env("WRK_K8S_ETCD_PEER_PORT", free_port().to_string())
+            .env("WRK_K8S_API_PORT", api_port.to_string())
+            .env("WRK_K8S_ETCD_PORT", etcd_port.to_string())
+            .env("WRK_K8S_ETCD_PEER_PORT", etcd_peer_port.to_string())
             .output()
             .expect("run k8s.sh start");
         let plane = ControlPlane { dir };
