@@ -621,6 +621,28 @@ mod tests {
         }
     }
 
+    /// The launch shapes here are the ones the kernels were written for.
+    #[test]
+    fn launch_constants_match_the_kernels_defines() {
+        let source = super::super::kernels::FIXED_SOURCE;
+        for define in [
+            format!("#define WRK_SHARED_GROUPS {SHARED_GROUPS}\n"),
+            format!("#define WRK_SHARED_WARPS {}\n", BLOCK / 32),
+            format!("#define WRK_RADIX_THREADS {RADIX_THREADS}\n"),
+            format!(
+                "#define WRK_RADIX_ITEMS {}\n",
+                RADIX_TILE / RADIX_THREADS as usize
+            ),
+            format!("#define WRK_RADIX_DIGITS {RADIX_DIGITS}\n"),
+        ] {
+            assert!(
+                source.contains(&define),
+                "fixed.cu lacks `{}`",
+                define.trim()
+            );
+        }
+    }
+
     #[test]
     fn the_radix_sort_is_stable_and_matches_the_host() {
         let Some(runtime) = crate::gpu::test_device("the_radix_sort_matches_the_host") else {
