@@ -432,13 +432,15 @@ pub fn wait_for_workers(url: &str, count: usize, token: Option<&str>) {
             status.env("WRK_TOKEN", token);
         }
         let output = status.output().expect("wrk status");
-        if String::from_utf8_lossy(&output.stdout).contains(&format!("workers: {count}")) {
+        let report = String::from_utf8_lossy(&output.stdout);
+        if report.contains(&format!("workers: {count}")) {
             return;
         }
         // Generous: an emulated-GPU worker self-tests its kernels before it registers.
         assert!(
             started.elapsed() < std::time::Duration::from_secs(90),
-            "{count} workers did not register"
+            "{count} workers did not register within 90 s; the scheduler reports:\n{report}{}",
+            String::from_utf8_lossy(&output.stderr)
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
