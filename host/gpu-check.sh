@@ -33,6 +33,9 @@
 #                 ENGINE_ROWS (20 M) trips written by `wrk gen-taxi`: wrk with one worker (of
 #                 ENGINE_SLOTS, 8, slots) on the GPU next to the peers that import here (cuDF
 #                 on the same card, after host/gpu-wheels.sh); not in the default steps
+#   profile       the bench step under Nsight Compute (ncu, where the machine has it): every
+#                 kernel's time, summed per kernel by host/gpu-profile.py, the largest first
+#                 ($OUT/ncu.csv holds each launch); not in the default steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -179,6 +182,21 @@ peers() {
     python3 host/gpu-peers.py --wrk "$last/bench.log"
 }
 
+# The benchmark again under Nsight Compute: each kernel launch's time, summed per kernel
+# (host/gpu-profile.py). Takes the test binary's command as its arguments.
+profile() {
+    local ncu
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null |
+        head -n 1)
+    if [ -z "$ncu" ]; then
+        echo "SKIPPED profile: no ncu (Nsight Compute) on this machine"
+        return 0
+    fi
+    "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+        "$@" gpu::bench --ignored --nocapture >"$out/ncu.csv" || return 1
+    python3 host/gpu-profile.py "$out/ncu.csv"
+}
+
 engine() {
     with_cudf
     local rows=${ENGINE_ROWS:-20000000}
@@ -202,8 +220,9 @@ for s in "${steps[@]}"; do
     cluster) step cluster 90 bash -c "$(declare -f cluster); cluster" ;;
     peers) step peers 300 bash -c "$(declare -f with_cudf peers); peers" ;;
     engine) step engine 400 bash -c "$(declare -f with_cudf engine); engine" ;;
+    profile) step profile 300 bash -c "$(declare -f profile); profile \"\$@\"" _ "${host_tests[@]}" ;;
     *)
-        echo "gpu-check: unknown step $s (cluster, bench, host, integration, peers, engine)" >&2
+        echo "gpu-check: unknown step $s (cluster, bench, host, integration, peers, engine, profile)" >&2
         exit 2
         ;;
     esac
