@@ -71,14 +71,14 @@ pub fn rows_config(n: usize) -> LaunchConfig {
 /// The most groups the accumulating kernels keep in shared memory (`WRK_SHARED_GROUPS` in
 /// `fixed.cu`): up to this many, each warp of a block accumulates its rows privately and the
 /// block adds its totals into the global accumulators once.
-pub const SHARED_GROUPS: usize = 256;
+const SHARED_GROUPS: usize = 256;
 /// The most blocks of an accumulating launch over at most [`SHARED_GROUPS`] groups: several
 /// per multiprocessor of the largest GPUs, and few enough that the blocks' final adds (one per
 /// group per block) stay cheap.
 const ACCUMULATE_BLOCKS: u32 = 1024;
 
 /// A grid for an accumulating kernel over `n` rows into `groups` accumulators.
-pub fn accumulate_config(n: usize, groups: usize) -> LaunchConfig {
+fn accumulate_config(n: usize, groups: usize) -> LaunchConfig {
     let mut config = rows_config(n);
     if groups <= SHARED_GROUPS {
         config.grid_dim.0 = config.grid_dim.0.min(ACCUMULATE_BLOCKS);
