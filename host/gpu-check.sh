@@ -35,7 +35,9 @@
 #                 on the same card, after host/gpu-wheels.sh); not in the default steps
 #   profile       the bench step under Nsight Compute (ncu, where the machine has it): every
 #                 kernel's time, summed per kernel by host/gpu-profile.py, the largest first
-#                 ($OUT/ncu.csv holds each launch); not in the default steps
+#                 ($OUT/ncu.csv holds each launch); then the fused kernels' launches in detail
+#                 (throughput, FP64 pipe, occupancy, stalls: $OUT/ncu-fused.txt); not in the
+#                 default steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -195,6 +197,15 @@ profile() {
     "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
         "$@" gpu::bench --ignored --nocapture >"$out/ncu.csv" || return 1
     python3 host/gpu-profile.py "$out/ncu.csv"
+    # The fused kernels (haversine, column-add) in detail: what bounds them (memory, FP64
+    # pipe, latency), their registers and occupancy, and where their warps stall.
+    "$ncu" --clock-control none -k regex:wrk_fused --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section InstructionStats \
+        --metrics sm__inst_executed_pipe_fp64.avg.pct_of_peak_sustained_active,sm__pipe_fp64_cycles_active.avg.pct_of_peak_sustained_active \
+        "$@" gpu::bench --ignored --nocapture >"$out/ncu-fused.txt" || return 1
+    grep -E "wrk_fused|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit Reg|fp64|Stall|Issued Ipc|Executed Ipc|Grid Size" \
+        "$out/ncu-fused.txt" | head -n 400
 }
 
 engine() {

@@ -12,6 +12,9 @@ use arrow::datatypes::{DataType, Schema};
 
 use crate::guest_api::wit::{BinaryOp, UnaryOp};
 
+mod memo;
+pub(crate) use memo::TreeMemo;
+
 /// A literal value.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Literal {
@@ -84,6 +87,54 @@ pub enum ExprError {
 impl Expr {
     pub fn col(name: impl Into<String>) -> Self {
         Expr::Column(name.into())
+    }
+
+    /// Whether `other` is the same expression, with float literals equal only to the bit (so
+    /// `x / -0.0` is not `x / 0.0`, which `==` says it is): what a cache of compiled
+    /// expressions must compare.
+    pub fn identical(&self, other: &Expr) -> bool {
+        let same = |a: &Arc<Expr>, b: &Arc<Expr>| Arc::ptr_eq(a, b) || a.identical(b);
+        match (self, other) {
+            (Expr::Column(a), Expr::Column(b)) => a == b,
+            (Expr::Literal(Literal::Float64(a)), Expr::Literal(Literal::Float64(b))) => {
+                a.to_bits() == b.to_bits()
+            }
+            (Expr::Literal(a), Expr::Literal(b)) => a == b,
+            (
+                Expr::Binary { op, lhs, rhs },
+                Expr::Binary {
+                    op: op2,
+                    lhs: lhs2,
+                    rhs: rhs2,
+                },
+            ) => op == op2 && same(lhs, lhs2) && same(rhs, rhs2),
+            (Expr::Unary { op, arg }, Expr::Unary { op: op2, arg: arg2 }) => {
+                op == op2 && same(arg, arg2)
+            }
+            (Expr::Cast { arg, to }, Expr::Cast { arg: arg2, to: to2 }) => {
+                to == to2 && same(arg, arg2)
+            }
+            (
+                Expr::FillNull { arg, fill },
+                Expr::FillNull {
+                    arg: arg2,
+                    fill: fill2,
+                },
+            ) => same(arg, arg2) && same(fill, fill2),
+            (
+                Expr::IfElse {
+                    condition,
+                    then,
+                    otherwise,
+                },
+                Expr::IfElse {
+                    condition: condition2,
+                    then: then2,
+                    otherwise: otherwise2,
+                },
+            ) => same(condition, condition2) && same(then, then2) && same(otherwise, otherwise2),
+            _ => false,
+        }
     }
 
     /// The names of the columns the expression reads, each once, in order of first use.
@@ -384,6 +435,40 @@ mod tests {
             lhs: Arc::new(lhs),
             rhs: Arc::new(rhs),
         }
+    }
+
+    #[test]
+    fn identical_expressions_match_float_literals_to_the_bit() {
+        let over = |v: f64| {
+            bin(
+                BinaryOp::Div,
+                Expr::col("fare"),
+                Expr::Literal(Literal::Float64(v)),
+            )
+        };
+        assert!(over(2.0).identical(&over(2.0)));
+        assert!(over(f64::NAN).identical(&over(f64::NAN)));
+        assert_eq!(over(0.0), over(-0.0));
+        assert!(!over(0.0).identical(&over(-0.0)));
+        assert!(!over(2.0).identical(&over(3.0)));
+        let other_column = bin(
+            BinaryOp::Div,
+            Expr::col("passengers"),
+            Expr::Literal(Literal::Float64(2.0)),
+        );
+        assert!(!over(2.0).identical(&other_column));
+        let other_op = bin(
+            BinaryOp::Mul,
+            Expr::col("fare"),
+            Expr::Literal(Literal::Float64(2.0)),
+        );
+        assert!(!over(2.0).identical(&other_op));
+        let cast = |to| Expr::Cast {
+            arg: Arc::new(Expr::col("fare")),
+            to,
+        };
+        assert!(cast(DataType::Int64).identical(&cast(DataType::Int64)));
+        assert!(!cast(DataType::Int64).identical(&cast(DataType::UInt64)));
     }
 
     #[test]

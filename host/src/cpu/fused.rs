@@ -22,7 +22,7 @@ use arrow::datatypes::{
 };
 use arrow::record_batch::RecordBatch;
 
-use crate::expr::{Expr, ExprError, Literal, common_type, numeric_result};
+use crate::expr::{Expr, ExprError, Literal, TreeMemo, common_type, numeric_result};
 use crate::guest_api::wit::{BinaryOp, UnaryOp};
 use crate::memory::buffers::{self, PooledVec};
 
@@ -191,6 +191,7 @@ pub fn try_evaluate(expr: &Expr, batch: &RecordBatch) -> Option<Result<ArrayRef,
     let mut compiler = Compiler {
         batch,
         schema: &schema,
+        memo: TreeMemo::new(&schema),
         seen: HashMap::new(),
         program: Program {
             inputs: Vec::new(),
@@ -235,7 +236,15 @@ fn column_against_literal(expr: &Expr, schema: &Schema) -> bool {
 /// Whether the program can evaluate `expr`'s top node itself (its children may still be leaves
 /// the kernels evaluate). The GPU code generator fuses exactly the nodes this admits.
 pub(crate) fn fusible(expr: &Expr, schema: &Schema) -> bool {
-    let kind_of = |e: &Expr| e.data_type(schema).ok().as_ref().and_then(Kind::of);
+    fusible_typed(expr, |e| e.data_type(schema).ok())
+}
+
+/// [`fusible`] with the types of `expr` and its operands from `type_of` (a compiler's memo).
+pub(crate) fn fusible_typed<'t>(
+    expr: &'t Expr,
+    mut type_of: impl FnMut(&'t Expr) -> Option<DataType>,
+) -> bool {
+    let mut kind_of = |e: &'t Expr| type_of(e).as_ref().and_then(Kind::of);
     let Some(kind) = kind_of(expr) else {
         return false;
     };
@@ -258,18 +267,19 @@ pub(crate) fn fusible(expr: &Expr, schema: &Schema) -> bool {
             }
         }
         Expr::Unary { op, arg } => {
-            let Some(input) = kind_of(arg) else {
+            let input_type = type_of(arg);
+            let Some(input) = input_type.as_ref().and_then(Kind::of) else {
                 return false;
             };
             match op {
                 UnaryOp::Neg | UnaryOp::Abs => kind != Kind::U64,
                 UnaryOp::Not | UnaryOp::IsNull | UnaryOp::IsNotNull => true,
-                _ => input != Kind::Bool || arg.data_type(schema).ok() == Some(DataType::Null),
+                _ => input != Kind::Bool || input_type == Some(DataType::Null),
             }
         }
         // Casts the program does exactly as the kernels do; any other cast is theirs.
         Expr::Cast { arg, to } => {
-            let Ok(from) = arg.data_type(schema) else {
+            let Some(from) = type_of(arg) else {
                 return false;
             };
             let boolean_or_null = matches!(from, DataType::Boolean | DataType::Null);
@@ -295,11 +305,13 @@ struct Compiler<'a> {
     batch: &'a RecordBatch,
     schema: &'a Schema,
     program: Program,
-    /// The register of every subexpression compiled so far, by its rendering.
-    seen: HashMap<String, Reg>,
+    /// The expression's node numbers and types.
+    memo: TreeMemo<'a>,
+    /// The register of every subexpression compiled so far, by its node number.
+    seen: HashMap<usize, Reg>,
 }
 
-impl Compiler<'_> {
+impl<'a> Compiler<'a> {
     fn register(&mut self, kind: Kind) -> Reg {
         self.program.registers.push(Register::new(kind));
         self.program.registers.len() - 1
@@ -309,8 +321,8 @@ impl Compiler<'_> {
         self.program.registers[reg].values.kind()
     }
 
-    fn type_of(&self, expr: &Expr) -> Result<DataType, String> {
-        expr.data_type(self.schema).map_err(|e| e.to_string())
+    fn type_of(&mut self, expr: &'a Expr) -> Result<DataType, String> {
+        self.memo.data_type(expr).map_err(|e| e.to_string())
     }
 
     /// A register holding `reg` converted to `kind`.
@@ -357,8 +369,8 @@ impl Compiler<'_> {
 
     /// Compiles `expr` once: a subexpression that occurs again (the same handle reused by the
     /// guest, or an equal tree built twice) reads the register of its first occurrence.
-    fn compile(&mut self, expr: &Expr) -> Result<Reg, String> {
-        let key = expr.to_string();
+    fn compile(&mut self, expr: &'a Expr) -> Result<Reg, String> {
+        let key = self.memo.id(expr);
         if let Some(&reg) = self.seen.get(&key) {
             return Ok(reg);
         }
@@ -367,8 +379,8 @@ impl Compiler<'_> {
         Ok(reg)
     }
 
-    fn compile_node(&mut self, expr: &Expr) -> Result<Reg, String> {
-        if !fusible(expr, self.schema) {
+    fn compile_node(&mut self, expr: &'a Expr) -> Result<Reg, String> {
+        if !fusible_typed(expr, |e| self.memo.data_type(e).ok()) {
             let array =
                 super::eval::evaluate_with_kernels(expr, self.batch).map_err(|e| e.to_string())?;
             return self.load(array);
@@ -1190,6 +1202,7 @@ mod tests {
         let mut compiler = Compiler {
             batch: &batch,
             schema: &schema,
+            memo: TreeMemo::new(&schema),
             seen: HashMap::new(),
             program: Program {
                 inputs: Vec::new(),

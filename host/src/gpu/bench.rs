@@ -105,15 +105,13 @@ fn best<T>(runs: usize, mut f: impl FnMut() -> T) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
-/// The best of `runs` timings of the device operator `gpu` (each waited for), next to the best of
-/// three of `cpu`, printed at once as a row of the report; `None` after printing why where the
-/// device operator fails, so the other operators are still measured.
-fn compare<T, E: std::fmt::Display, U>(
+/// The best of `runs` timings of the device operator `gpu`, each waited for, in seconds; `None`
+/// after printing why where it fails, so the other operators are still measured.
+fn time_device<T, E: std::fmt::Display>(
     runtime: &GpuRuntime,
     name: &str,
     runs: usize,
     mut gpu: impl FnMut() -> Result<T, E>,
-    cpu: impl FnMut() -> U,
 ) -> Option<f64> {
     let mut seconds = f64::INFINITY;
     for _ in 0..runs {
@@ -131,6 +129,19 @@ fn compare<T, E: std::fmt::Display, U>(
         }
         seconds = seconds.min(elapsed);
     }
+    Some(seconds)
+}
+
+/// [`time_device`] of `gpu` next to the best of three of `cpu`, printed at once as a row of
+/// the report.
+fn compare<T, E: std::fmt::Display, U>(
+    runtime: &GpuRuntime,
+    name: &str,
+    runs: usize,
+    gpu: impl FnMut() -> Result<T, E>,
+    cpu: impl FnMut() -> U,
+) -> Option<f64> {
+    let seconds = time_device(runtime, name, runs, gpu)?;
     let cpu_seconds = best(3, cpu);
     println!(
         "  {name:<16} gpu {:>9.2} ms   cpu {:>9.2} ms   speed-up {:>6.1}x",
@@ -185,6 +196,28 @@ fn device_operator_benchmark() {
         || ops::evaluate(&runtime, &device, &added),
         || cpu::eval::evaluate(&added, &batch).unwrap(),
     );
+    // Both passes again with one row per thread, against the default's two.
+    let one_row = |name: &str, expr: &Expr| {
+        let seconds = time_device(&runtime, name, 5, || {
+            ops::evaluate_rows_per_thread(&runtime, &device, expr, 1)
+        });
+        if let Some(seconds) = seconds {
+            println!(
+                "  {name:<16} gpu {:>9.2} ms   with 1 row a thread",
+                seconds * 1e3
+            );
+        }
+        seconds
+    };
+    let one_row_passes = [
+        ("haversine", one_row("haversine", &expr)),
+        ("column-add", one_row("column-add", &added)),
+    ];
+    // What each pass writes: its values, and a validity byte a row if its result can be null
+    // (not here: the coordinates have no nulls).
+    let written = ops::evaluate(&runtime, &device, &expr).unwrap();
+    let validity_bytes = if written.validity.is_some() { 1.0 } else { 0.0 };
+    drop(written);
     let aggregates = [Aggregate {
         column: "pickup_longitude".into(),
         function: AggregateFn::Mean,
@@ -244,12 +277,19 @@ fn device_operator_benchmark() {
         bytes / upload_s / 1e9,
         bytes / download_s / 1e9
     );
-    // Both passes read 4 f64 and write one f64 and one validity byte per row.
-    let bandwidth = |seconds: f64| rows as f64 * (4.0 * 8.0 + 9.0) / seconds;
-    let passes: Vec<(&str, f64)> = [("haversine", haversine), ("column-add", column_add)]
+    // Both passes read 4 f64 and write one f64 per row.
+    let bandwidth = |seconds: f64| rows as f64 * (5.0 * 8.0 + validity_bytes) / seconds;
+    let passes: Vec<(String, f64)> = [("haversine", haversine), ("column-add", column_add)]
         .into_iter()
+        .map(|(name, seconds)| (name.to_string(), seconds))
+        .chain(
+            one_row_passes
+                .into_iter()
+                .map(|(name, seconds)| (format!("{name}, 1 row/thread"), seconds)),
+        )
         .filter_map(|(name, seconds)| Some((name, bandwidth(seconds?))))
         .collect();
+    println!("  bytes per row: 40 read and written, {validity_bytes} of validity");
     for (name, achieved) in &passes {
         println!("  {name} effective bandwidth {:.1} GB/s", achieved / 1e9);
     }

@@ -224,24 +224,48 @@ fn copy_column(runtime: &GpuRuntime, column: &DeviceColumn) -> Result<DeviceColu
     Ok(gather_column(runtime, column, &indices, column.len, false)?)
 }
 
+/// How many rows each thread of a fused kernel evaluates (see [`evaluate_rows_per_thread`]).
+const FUSED_ROWS_PER_THREAD: usize = 2;
+
 /// `expr` over `table`, in one fused kernel.
 pub fn evaluate(
     runtime: &GpuRuntime,
     table: &DeviceTable,
     expr: &Expr,
 ) -> Result<DeviceColumn, GpuOpError> {
+    evaluate_rows_per_thread(runtime, table, expr, FUSED_ROWS_PER_THREAD)
+}
+
+/// [`evaluate`] with a grid of one thread per `rows_per_thread` rows. A thread evaluates its
+/// rows two at a time, so two overlap the latency of one's loads and of its arithmetic (a
+/// haversine's double-precision sines and arcsine); with one row per thread the GPU hides
+/// latency with more threads alone. The benchmark measures both.
+pub fn evaluate_rows_per_thread(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    expr: &Expr,
+    rows_per_thread: usize,
+) -> Result<DeviceColumn, GpuOpError> {
     match expr {
         Expr::Column(name) => return copy_column(runtime, column_of(table, "evaluate", name)?),
         Expr::Literal(Literal::Utf8(text)) => return repeated_string(runtime, text, table.rows),
         _ => {}
     }
-    let kernel = fused::generate(expr, &table.schema)?;
+    let kernel = runtime.kernels.plan(expr, &validity_schema(table))?;
     let function = runtime.kernels.fused(&kernel)?;
     let n = table.rows;
-    let error = filled_u32(runtime, 1, 0)?;
+    // Only a kernel that can fail has an error flag to read back, which waits for it; any
+    // other evaluation is queued on the stream and returns at once.
+    let error = match kernel.may_fail {
+        true => Some(filled_u32(runtime, 1, 0)?),
+        false => None,
+    };
     let width = value_width(&kernel.output.data_type()).unwrap_or(8);
     let out = alloc(runtime, n, width)?;
-    let out_valid = alloc(runtime, n, 1)?;
+    let out_valid = match kernel.nullable {
+        true => Some(alloc(runtime, n, 1)?),
+        false => None,
+    };
     // String literals go to the device first (a few bytes each, not a table transfer).
     let strings = kernel
         .literals
@@ -252,7 +276,7 @@ pub fn evaluate(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let mut strings = strings.iter();
-    let mut args = vec![Arg::I64(n as i64), Arg::Buf(&error)];
+    let mut args = vec![Arg::I64(n as i64), Arg::Opt(error.as_ref())];
     for input in &kernel.inputs {
         let column = column_of(table, "evaluate", &input.column)?;
         if column.data_type == DataType::Utf8 {
@@ -282,15 +306,19 @@ pub fn evaluate(
         }
     }
     args.push(Arg::Buf(&out));
-    args.push(Arg::Buf(&out_valid));
+    args.push(Arg::Opt(out_valid.as_ref()));
     exec::launch(
         runtime,
         &function,
         &kernel.shape,
-        exec::rows_config(n),
+        exec::rows_config(n.div_ceil(rows_per_thread.max(1))),
         &args,
     )?;
-    if exec::read_u32(runtime, &error, 0)? != 0 {
+    let failed = match &error {
+        Some(error) => exec::read_u32(runtime, error, 0)? != 0,
+        None => false,
+    };
+    if failed {
         return Err(ExprError::Evaluation {
             expr: expr.to_string(),
             detail: "Divide by zero error".into(),
@@ -302,8 +330,25 @@ pub fn evaluate(
         len: n,
         values: out,
         offsets: None,
-        validity: Some(out_valid),
+        validity: out_valid,
     })
+}
+
+/// `table`'s schema with each field nullable exactly where its device column has a validity
+/// buffer, as the kernel generator reads it: the validity of a column without one is never
+/// read, and a column with one is never taken to have no nulls.
+fn validity_schema(table: &DeviceTable) -> Schema {
+    let fields = table.schema.fields().iter().zip(&table.columns);
+    Schema::new(
+        fields
+            .map(|(field, column)| {
+                field
+                    .as_ref()
+                    .clone()
+                    .with_nullable(column.validity.is_some())
+            })
+            .collect::<Vec<_>>(),
+    )
 }
 
 /// A string column of `rows` copies of `text` (a string literal as a column, such as a

@@ -643,6 +643,90 @@ mod tests {
         assert!(stats.peak > 0);
     }
 
+    /// A division by a power of two runs as a multiplication by its reciprocal: the quotients
+    /// must be the CPU's to the bit, subnormal, infinite, NaN and signed-zero ones included.
+    /// The column has no nulls, so the result has no validity buffer (nor does the kernel
+    /// write one), and every row is valid.
+    #[test]
+    fn a_division_by_a_power_of_two_is_exact_and_a_column_without_nulls_stays_so() {
+        let Some(runtime) = super::super::test_device(
+            "a_division_by_a_power_of_two_is_exact_and_a_column_without_nulls_stays_so",
+        ) else {
+            return;
+        };
+        let mut values = vec![
+            0.0,
+            -0.0,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::MAX,
+            f64::MIN_POSITIVE,
+            -f64::MIN_POSITIVE,
+            5e-324,
+            3.0 * 5e-324,
+            1.0 + f64::EPSILON,
+            -7.25,
+            1e300,
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        values.extend((0..500).map(|_| f64::from_bits(xorshift(&mut state))));
+        let table = RecordBatch::try_from_iter(vec![(
+            "x",
+            Arc::new(Float64Array::from(values)) as ArrayRef,
+        )])
+        .unwrap();
+        let device = upload(&runtime, &table).unwrap();
+        let divided_by = |divisor: Literal| Expr::Binary {
+            op: BinaryOp::Div,
+            lhs: Arc::new(Expr::col("x")),
+            rhs: Arc::new(Expr::Literal(divisor)),
+        };
+        for divisor in [
+            Literal::Float64(2.0),
+            Literal::Float64(0.5),
+            Literal::Float64(-0.125),
+            Literal::Float64(2f64.powi(-1000)),
+            Literal::Float64(2f64.powi(1000)),
+            Literal::Int64(-4),
+            Literal::UInt64(1 << 40),
+            // Not powers of two: a true division. The two zeros are equal to `==` but not
+            // to the kernel plan cache, which compares literals by their bits.
+            Literal::Float64(3.0),
+            Literal::Float64(-0.0),
+            Literal::Float64(0.0),
+        ] {
+            let expr = divided_by(divisor);
+            let on_device = ops::evaluate(&runtime, &device, &expr).unwrap();
+            assert!(on_device.validity.is_none(), "{expr}: a validity buffer");
+            let on_device = download_array(&runtime, "v", &on_device).unwrap();
+            let on_host = cpu::eval::evaluate(&expr, &table).unwrap();
+            let (d, h) = (
+                on_device.as_primitive::<Float64Type>(),
+                on_host.as_primitive::<Float64Type>(),
+            );
+            assert_eq!(d.null_count(), 0, "{expr}");
+            for (row, (d, h)) in d.values().iter().zip(h.values()).enumerate() {
+                let same = d.to_bits() == h.to_bits() || (d.is_nan() && h.is_nan());
+                assert!(same, "{expr}, row {row}: device {d:e}, CPU {h:e}");
+            }
+        }
+        // An expression built again is the plan generated before; over a nullable column it is
+        // another.
+        let schema = table.schema();
+        let plan = |schema: &arrow::datatypes::Schema| {
+            runtime
+                .kernels
+                .plan(&divided_by(Literal::Float64(2.0)), schema)
+                .unwrap()
+        };
+        assert!(Arc::ptr_eq(&plan(&schema), &plan(&schema)));
+        let nullable =
+            arrow::datatypes::Schema::new(vec![schema.field(0).clone().with_nullable(true)]);
+        assert!(!Arc::ptr_eq(&plan(&schema), &plan(&nullable)));
+        assert!(plan(&nullable).nullable);
+    }
+
     /// Edge values of every register kind, drawn pseudo-randomly (with nulls) for 600 rows.
     fn edge_table() -> RecordBatch {
         let longs = [0, 1, -1, 7, -7, i64::MIN, i64::MAX, 1 << 40];

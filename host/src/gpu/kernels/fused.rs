@@ -23,8 +23,8 @@ use std::fmt::Write as _;
 use arrow::datatypes::{DataType, Schema};
 
 use super::super::exec::BLOCK;
-use crate::cpu::fused::fusible;
-use crate::expr::{Expr, Literal, common_type, numeric_result};
+use crate::cpu::fused::fusible_typed;
+use crate::expr::{Expr, Literal, TreeMemo, common_type, numeric_result};
 use crate::guest_api::wit::{BinaryOp, UnaryOp};
 
 /// The name of the kernel in a generated module.
@@ -150,16 +150,22 @@ pub enum LiteralArg {
 }
 
 /// A column the kernel reads: parameters `in{k}` (values) and `valid{k}` (one byte per row,
-/// null when every row is valid); a string column has its offsets `off{k}` first.
+/// null when every row is valid); a string column has its offsets `off{k}` first. The kernel
+/// of a column its schema declares not nullable never reads `valid{k}`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FusedInput {
     pub column: String,
     pub data_type: DataType,
+    pub nullable: bool,
 }
 
 /// A generated kernel and what to launch it with. Its parameters, in order: `long long n`,
 /// `int* error`, then `in{k}, valid{k}` per input, then one value per literal, then `out` and
-/// `out_valid` (one byte per row).
+/// `out_valid` (one byte per row). `error` is written only by a kernel that [`may_fail`], and
+/// `out_valid` only by one whose result is [`nullable`]; either may be null otherwise.
+///
+/// [`may_fail`]: FusedKernel::may_fail
+/// [`nullable`]: FusedKernel::nullable
 #[derive(Debug, Clone, PartialEq)]
 pub struct FusedKernel {
     /// The cache key: the normalised expression text with input types.
@@ -168,14 +174,21 @@ pub struct FusedKernel {
     pub literals: Vec<LiteralArg>,
     /// The kind of the result column (its Arrow type is `output.data_type()`).
     pub output: Kind,
+    /// Whether a row of the result can be null (a nullable input or literal, or a conversion
+    /// out of range); the kernel writes `out_valid` only then.
+    pub nullable: bool,
+    /// Whether the kernel can set `error` (an integer remainder by zero); only then does the
+    /// caller need to read it back, which waits for the kernel.
+    pub may_fail: bool,
     /// The kernel function, named by the caller (see [`FusedKernel::function`]).
     body: String,
 }
 
 impl FusedKernel {
-    /// The kernel function named `name` (without the prelude).
+    /// The kernel function named `name` and the row function it calls, `{name}_row`
+    /// (without the prelude).
     pub fn function(&self, name: &str) -> String {
-        self.body.replacen("__KERNEL_NAME__", name, 1)
+        self.body.replace("__KERNEL_NAME__", name)
     }
 
     /// The complete CUDA C source of the module: prelude and the kernel [`KERNEL_NAME`].
@@ -193,16 +206,19 @@ pub enum CodegenError {
     Type(#[from] crate::expr::ExprError),
 }
 
-/// Generates the fused kernel of `expr` over a table of `schema`.
+/// Generates the fused kernel of `expr` over a table of `schema`. A column whose field is not
+/// nullable must have no nulls: its validity is not read.
 pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenError> {
     let result_type = expr.data_type(schema)?;
     let mut generator = Generator {
         schema,
+        memo: TreeMemo::new(schema),
         inputs: Vec::new(),
         literals: Vec::new(),
         code: String::new(),
         seen: HashMap::new(),
-        next: 0,
+        nullable: Vec::new(),
+        may_fail: false,
     };
     let (result, kind) = generator.node(expr)?;
     if kind.data_type() != result_type {
@@ -214,21 +230,20 @@ pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenErro
             ),
         ));
     }
-    let mut body = String::new();
-    let _ = write!(
-        body,
-        "extern \"C\" __global__ void __launch_bounds__({BLOCK}) __KERNEL_NAME__(long long n, \
-         int* error"
-    );
+    // The parameters, declared by the kernel and by the row function it calls, and passed on.
+    let mut params = String::from("long long n, int* error");
+    let mut args = String::from("n, error");
     for (k, input) in generator.inputs.iter().enumerate() {
         if input.data_type == DataType::Utf8 {
-            let _ = write!(body, ", const int* __restrict__ off{k}");
+            let _ = write!(params, ", const int* __restrict__ off{k}");
+            let _ = write!(args, ", off{k}");
         }
         let ty = column_storage_type(&input.data_type).unwrap_or("unsigned char");
         let _ = write!(
-            body,
+            params,
             ", const {ty}* __restrict__ in{k}, const unsigned char* __restrict__ valid{k}"
         );
+        let _ = write!(args, ", in{k}, valid{k}");
     }
     for (j, literal) in generator.literals.iter().enumerate() {
         let ty = match literal {
@@ -238,33 +253,58 @@ pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenErro
             LiteralArg::Bool(_) => "int",
             LiteralArg::Str(_) => {
                 let _ = write!(
-                    body,
+                    params,
                     ", const unsigned char* __restrict__ lit{j}, int lit{j}_len"
                 );
+                let _ = write!(args, ", lit{j}, lit{j}_len");
                 continue;
             }
         };
-        let _ = write!(body, ", {ty} lit{j}");
+        let _ = write!(params, ", {ty} lit{j}");
+        let _ = write!(args, ", lit{j}");
+    }
+    let _ = write!(
+        params,
+        ", {}* __restrict__ out, unsigned char* __restrict__ out_valid",
+        kind.storage_type()
+    );
+    args.push_str(", out, out_valid");
+    let nullable = generator.nullable[result];
+    let mut body = String::new();
+    let _ = writeln!(
+        body,
+        "// Row i: the whole expression in registers.\n\
+         static __device__ __forceinline__ void __KERNEL_NAME___row(long long i, {params}) {{"
+    );
+    body.push_str(&generator.code);
+    let _ = writeln!(body, "        out[i] = ({})x{result};", kind.storage_type());
+    if nullable {
+        let _ = writeln!(body, "        out_valid[i] = m{result} ? 1 : 0;");
     }
     let _ = writeln!(
         body,
-        ", {}* __restrict__ out, unsigned char* __restrict__ out_valid) {{",
-        kind.storage_type()
-    );
-    body.push_str(
-        "    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;\n         i += (long long)blockDim.x * gridDim.x) {\n",
-    );
-    body.push_str(&generator.code);
-    let _ = writeln!(
-        body,
-        "        out[i] = ({})x{result};\n        out_valid[i] = m{result} ? 1 : 0;\n    }}\n}}",
-        kind.storage_type()
+        "}}\n\
+         extern \"C\" __global__ void __launch_bounds__({BLOCK}) __KERNEL_NAME__({params}) {{\n\
+         \x20   // Each thread takes rows i, i + stride, i + 2 stride...: two at a time while both\n\
+         \x20   // exist, so that the loads and arithmetic of the two overlap. The grid's size\n\
+         \x20   // decides how many rows a thread takes.\n\
+         \x20   long long stride = (long long)blockDim.x * gridDim.x;\n\
+         \x20   long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;\n\
+         \x20   for (; i + stride < n; i += 2 * stride) {{\n\
+         \x20       __KERNEL_NAME___row(i, {args});\n\
+         \x20       __KERNEL_NAME___row(i + stride, {args});\n\
+         \x20   }}\n\
+         \x20   if (i < n) __KERNEL_NAME___row(i, {args});\n\
+         }}"
     );
     let shape = {
         let types: Vec<String> = generator
             .inputs
             .iter()
-            .map(|i| i.data_type.to_string())
+            .map(|i| {
+                let null = if i.nullable { "nullable " } else { "" };
+                format!("{null}{}", i.data_type)
+            })
             .collect();
         format!("{} [{}]", shape_text(expr, schema), types.join(", "))
     };
@@ -273,6 +313,8 @@ pub fn generate(expr: &Expr, schema: &Schema) -> Result<FusedKernel, CodegenErro
         inputs: generator.inputs,
         literals: generator.literals,
         output: kind,
+        nullable,
+        may_fail: generator.may_fail,
         body,
     })
 }
@@ -312,7 +354,10 @@ pub fn shape_text(expr: &Expr, schema: &Schema) -> String {
                 let _ = write!(out, "{}(", op_name(op));
                 walk(lhs, schema, columns, out);
                 out.push_str(", ");
-                walk(rhs, schema, columns, out);
+                match exact_divisor(*op, rhs) {
+                    Some(_) => out.push_str("?2^k"),
+                    None => walk(rhs, schema, columns, out),
+                }
                 out.push(')');
             }
             Expr::Unary { op, arg } => {
@@ -352,6 +397,26 @@ pub fn shape_text(expr: &Expr, schema: &Schema) -> String {
     out
 }
 
+/// `1 / v` where `op` divides by the literal `v` and multiplying by `1 / v` gives exactly the
+/// quotient: `v` a power of two whose reciprocal is a normal double. Both are then the one
+/// correctly rounded value of the same real number, and the multiplication is several times
+/// cheaper than a double division on a GPU (whose divisor, a kernel parameter, the compiler
+/// cannot see).
+fn exact_divisor(op: BinaryOp, rhs: &Expr) -> Option<f64> {
+    let v = match (op, rhs) {
+        (BinaryOp::Div, Expr::Literal(literal)) => match *literal {
+            Literal::Float64(v) => v,
+            Literal::Int64(v) if v.unsigned_abs().is_power_of_two() => v as f64,
+            Literal::UInt64(v) if v.is_power_of_two() => v as f64,
+            _ => return None,
+        },
+        _ => return None,
+    };
+    const MANTISSA: u64 = (1 << 52) - 1;
+    let reciprocal = 1.0 / v;
+    (v.is_normal() && v.to_bits() & MANTISSA == 0 && reciprocal.is_normal()).then_some(reciprocal)
+}
+
 /// The C test that turns a three-way comparison (-1, 0, 1) into `op`'s answer (`== 0` for
 /// `Eq`), or `None` when `op` is not a comparison.
 fn comparison_test(op: BinaryOp) -> Option<&'static str> {
@@ -375,24 +440,36 @@ fn op_name(op: &impl std::fmt::Debug) -> String {
 
 struct Generator<'a> {
     schema: &'a Schema,
+    /// The expression's node numbers and types.
+    memo: TreeMemo<'a>,
     inputs: Vec<FusedInput>,
     literals: Vec<LiteralArg>,
     /// The loop body: one `x{n}` (value) and `m{n}` (valid) pair per node.
     code: String,
-    /// The variable of every subexpression generated so far, by its rendering.
-    seen: HashMap<String, (usize, Kind)>,
-    next: usize,
+    /// The variable of every subexpression generated so far, by its node number.
+    seen: HashMap<usize, (usize, Kind)>,
+    /// Per variable: whether its `m` can be false (a variable that cannot be null lets the
+    /// compiler drop the null logic that depends on it).
+    nullable: Vec<bool>,
+    may_fail: bool,
 }
 
-impl Generator<'_> {
-    fn type_of(&self, expr: &Expr) -> Result<DataType, CodegenError> {
-        Ok(expr.data_type(self.schema)?)
+impl<'a> Generator<'a> {
+    fn type_of(&mut self, expr: &'a Expr) -> Result<DataType, CodegenError> {
+        Ok(self.memo.data_type(expr)?)
+    }
+
+    /// Whether `column`'s values can be null: a `Null` column, or a field declared nullable.
+    fn nullable_column(&self, column: &str) -> bool {
+        self.schema.field_with_name(column).map_or(true, |f| {
+            f.is_nullable() || *f.data_type() == DataType::Null
+        })
     }
 
     /// Declares a new value/valid pair of `kind`, zero-initialised and valid.
     fn declare(&mut self, kind: Kind) -> usize {
-        let v = self.next;
-        self.next += 1;
+        let v = self.nullable.len();
+        self.nullable.push(false);
         let _ = writeln!(
             self.code,
             "        {} x{v} = 0; bool m{v} = true;",
@@ -408,8 +485,8 @@ impl Generator<'_> {
     }
 
     /// Generates `expr` once; a repeated subexpression reuses its first variable.
-    fn node(&mut self, expr: &Expr) -> Result<(usize, Kind), CodegenError> {
-        let key = expr.to_string();
+    fn node(&mut self, expr: &'a Expr) -> Result<(usize, Kind), CodegenError> {
+        let key = self.memo.id(expr);
         if let Some(&found) = self.seen.get(&key) {
             return Ok(found);
         }
@@ -424,21 +501,25 @@ impl Generator<'_> {
             return v;
         }
         let d = self.declare(to);
-        let value = match (from, to) {
-            (Kind::I64 | Kind::U64, Kind::F64) => format!("x{d} = (double)x{v};"),
-            (Kind::Bool, Kind::F64) => format!("x{d} = x{v} ? 1.0 : 0.0;"),
-            // Arrow's cast makes values beyond i64 null.
-            (Kind::U64, Kind::I64) => format!(
-                "if (x{v} > 9223372036854775807ULL) {{ m{d} = false; }} else {{ x{d} = (long long)x{v}; }}"
+        // Arrow's cast makes u64 values beyond i64 null; narrowing conversions are never
+        // planned (as in the CPU program) and give null.
+        let (value, makes_nulls) = match (from, to) {
+            (Kind::I64 | Kind::U64, Kind::F64) => (format!("x{d} = (double)x{v};"), false),
+            (Kind::Bool, Kind::F64) => (format!("x{d} = x{v} ? 1.0 : 0.0;"), false),
+            (Kind::U64, Kind::I64) => (
+                format!(
+                    "if (x{v} > 9223372036854775807ULL) {{ m{d} = false; }} else {{ x{d} = (long long)x{v}; }}"
+                ),
+                true,
             ),
-            (Kind::Bool, Kind::I64 | Kind::U64) => format!("x{d} = x{v} ? 1 : 0;"),
-            (Kind::F64, Kind::Bool) => format!("x{d} = x{v} != 0.0;"),
-            (Kind::I64 | Kind::U64, Kind::Bool) => format!("x{d} = x{v} != 0;"),
-            // Narrowing conversions are never planned (as in the CPU program): null.
-            _ => format!("m{d} = false;"),
+            (Kind::Bool, Kind::I64 | Kind::U64) => (format!("x{d} = x{v} ? 1 : 0;"), false),
+            (Kind::F64, Kind::Bool) => (format!("x{d} = x{v} != 0.0;"), false),
+            (Kind::I64 | Kind::U64, Kind::Bool) => (format!("x{d} = x{v} != 0;"), false),
+            _ => (format!("m{d} = false;"), true),
         };
         self.line(format!("m{d} = m{v};"));
         self.line(value);
+        self.nullable[d] = makes_nulls || self.nullable[v];
         d
     }
 
@@ -450,6 +531,7 @@ impl Generator<'_> {
                 self.inputs.push(FusedInput {
                     column: name.to_string(),
                     data_type: data_type.clone(),
+                    nullable: self.nullable_column(name),
                 });
                 self.inputs.len() - 1
             }
@@ -488,18 +570,26 @@ impl Generator<'_> {
         let j = self.literals.len();
         self.literals.push(LiteralArg::Str(text.clone()));
         let d = self.declare(Kind::Bool);
-        self.line(format!("m{d} = valid{k} == 0 || valid{k}[i] != 0;"));
+        self.read_validity(d, k);
         self.line(format!(
             "if (m{d}) x{d} = wrk_cmp_str(in{k} + off{k}[i], off{k}[i + 1] - off{k}[i], lit{j}, lit{j}_len) {test};"
         ));
         Some(Ok((d, Kind::Bool)))
     }
 
-    fn generate(&mut self, expr: &Expr) -> Result<(usize, Kind), CodegenError> {
+    /// `m{d}`: whether input `k` is valid in this row, read only where it can be null.
+    fn read_validity(&mut self, d: usize, k: usize) {
+        if self.inputs[k].nullable {
+            self.line(format!("m{d} = valid{k} == 0 || valid{k}[i] != 0;"));
+            self.nullable[d] = true;
+        }
+    }
+
+    fn generate(&mut self, expr: &'a Expr) -> Result<(usize, Kind), CodegenError> {
         if let Some(generated) = self.string_comparison(expr) {
             return generated;
         }
-        if !fusible(expr, self.schema) {
+        if !fusible_typed(expr, |e| self.memo.data_type(e).ok()) {
             let data_type = self.type_of(expr)?;
             return Err(unsupported(
                 expr,
@@ -515,8 +605,9 @@ impl Generator<'_> {
                 let d = self.declare(kind);
                 if data_type == DataType::Null {
                     self.line(format!("m{d} = false;"));
+                    self.nullable[d] = true;
                 } else {
-                    self.line(format!("m{d} = valid{k} == 0 || valid{k}[i] != 0;"));
+                    self.read_validity(d, k);
                     let read = if kind == Kind::Bool {
                         format!("x{d} = in{k}[i] != 0;")
                     } else {
@@ -537,7 +628,10 @@ impl Generator<'_> {
                 };
                 let d = self.declare(kind);
                 match arg {
-                    None => self.line(format!("m{d} = false;")),
+                    None => {
+                        self.line(format!("m{d} = false;"));
+                        self.nullable[d] = true;
+                    }
                     Some(arg) => {
                         let j = self.literals.len();
                         self.literals.push(arg);
@@ -566,6 +660,7 @@ impl Generator<'_> {
                 self.line(format!(
                     "if (m{s}) {{ x{d} = x{s}; m{d} = true; }} else {{ x{d} = x{f}; m{d} = m{f}; }}"
                 ));
+                self.nullable[d] = self.nullable[s] && self.nullable[f];
                 Ok((d, kind))
             }
             Expr::IfElse {
@@ -582,24 +677,35 @@ impl Generator<'_> {
                 self.line(format!(
                     "if (x{c}) {{ x{d} = x{t}; m{d} = m{c} && m{t}; }} else {{ x{d} = x{o}; m{d} = m{c} && m{o}; }}"
                 ));
+                self.nullable[d] = self.nullable[c] || self.nullable[t] || self.nullable[o];
                 Ok((d, kind))
             }
         }
     }
 
-    fn result_kind(&self, expr: &Expr) -> Result<Kind, CodegenError> {
+    fn result_kind(&mut self, expr: &'a Expr) -> Result<Kind, CodegenError> {
         let data_type = self.type_of(expr)?;
         Kind::of(&data_type).ok_or_else(|| unsupported(expr, format!("result type {data_type}")))
     }
 
     fn binary(
         &mut self,
-        expr: &Expr,
+        expr: &'a Expr,
         op: BinaryOp,
-        lhs: &Expr,
-        rhs: &Expr,
+        lhs: &'a Expr,
+        rhs: &'a Expr,
     ) -> Result<(usize, Kind), CodegenError> {
         use BinaryOp::*;
+        if let Some(reciprocal) = exact_divisor(op, rhs) {
+            let a = self.node(lhs)?;
+            let a = self.convert(a, Kind::F64);
+            let j = self.literals.len();
+            self.literals.push(LiteralArg::F64(reciprocal));
+            let d = self.declare(Kind::F64);
+            self.line(format!("m{d} = m{a}; x{d} = x{a} * lit{j};"));
+            self.nullable[d] = self.nullable[a];
+            return Ok((d, Kind::F64));
+        }
         let (left_type, right_type) = (self.type_of(lhs)?, self.type_of(rhs)?);
         let operand_type = match op {
             Add | Sub | Mul | Rem => numeric_result(&left_type, &right_type),
@@ -621,6 +727,7 @@ impl Generator<'_> {
             operand
         };
         let d = self.declare(result);
+        self.nullable[d] = self.nullable[a] || self.nullable[b];
         if logic {
             let and = op == And;
             let (join, decides) = if and { ("&&", "false") } else { ("||", "true") };
@@ -657,15 +764,21 @@ impl Generator<'_> {
                     "x{d} = (long long)((unsigned long long)x{a} {symbol} (unsigned long long)x{b});"
                 )
             }
-            (Kind::I64, Rem) => format!(
-                "if (x{b} == 0) {{ if (m{b}) atomicExch(error, 1); }} else if (x{b} == -1) {{ x{d} = 0; }} else {{ x{d} = x{a} % x{b}; }}"
-            ),
+            (Kind::I64, Rem) => {
+                self.may_fail = true;
+                format!(
+                    "if (x{b} == 0) {{ if (m{b}) atomicExch(error, 1); }} else if (x{b} == -1) {{ x{d} = 0; }} else {{ x{d} = x{a} % x{b}; }}"
+                )
+            }
             (Kind::U64, Add) => format!("x{d} = x{a} + x{b};"),
             (Kind::U64, Sub) => format!("x{d} = x{a} - x{b};"),
             (Kind::U64, Mul) => format!("x{d} = x{a} * x{b};"),
-            (Kind::U64, Rem) => format!(
-                "if (x{b} == 0) {{ if (m{b}) atomicExch(error, 1); }} else {{ x{d} = x{a} % x{b}; }}"
-            ),
+            (Kind::U64, Rem) => {
+                self.may_fail = true;
+                format!(
+                    "if (x{b} == 0) {{ if (m{b}) atomicExch(error, 1); }} else {{ x{d} = x{a} % x{b}; }}"
+                )
+            }
             _ => {
                 return Err(unsupported(
                     expr,
@@ -679,9 +792,9 @@ impl Generator<'_> {
 
     fn unary(
         &mut self,
-        expr: &Expr,
+        expr: &'a Expr,
         op: UnaryOp,
-        arg: &Expr,
+        arg: &'a Expr,
     ) -> Result<(usize, Kind), CodegenError> {
         use UnaryOp::*;
         let input_type = self.type_of(arg)?;
@@ -738,6 +851,7 @@ impl Generator<'_> {
             }
         };
         self.line(code);
+        self.nullable[d] = !matches!(op, IsNull | IsNotNull) && self.nullable[s];
         Ok((d, result))
     }
 }
@@ -782,13 +896,106 @@ pub(crate) mod tests {
             Expr::Literal(Literal::Float64(10.0)),
         );
         let k = generate(&e, &schema()).unwrap();
-        assert_eq!(k.shape, "Gt($0:Float64, ?f64) [Float64]");
+        assert_eq!(k.shape, "Gt($0:Float64, ?f64) [nullable Float64]");
         assert_eq!(k.literals, vec![LiteralArg::F64(10.0)]);
         assert_eq!(k.output, Kind::Bool);
         let source = k.source();
         assert!(source.contains("extern \"C\" __global__ void __launch_bounds__(256) wrk_fused(long long n, int* error, const double* __restrict__ in0, const unsigned char* __restrict__ valid0, double lit0, unsigned char* __restrict__ out, unsigned char* __restrict__ out_valid)"), "{source}");
         assert!(source.contains("x0 = (double)in0[i];"), "{source}");
         assert!(source.contains("x2 = wrk_cmp_f64(x0, x1) > 0;"), "{source}");
+    }
+
+    /// A column declared without nulls has its validity left unread, and a result that cannot
+    /// be null has none written; a nullable column, a null literal or a conversion out of
+    /// range brings both back.
+    #[test]
+    fn only_what_can_be_null_reads_or_writes_validity() {
+        let schema = Schema::new(vec![
+            Field::new("x", DataType::Float64, false),
+            Field::new("n", DataType::Float64, true),
+            Field::new("u", DataType::UInt64, false),
+            Field::new("i", DataType::Int64, false),
+        ]);
+        let sum = |a: Expr, b: Expr| bin(BinaryOp::Add, a, b);
+        let lit = |v: f64| Expr::Literal(Literal::Float64(v));
+        let dense = generate(&sum(Expr::col("x"), lit(1.0)), &schema).unwrap();
+        assert_eq!(dense.shape, "Add($0:Float64, ?f64) [Float64]");
+        assert!(!dense.nullable);
+        let source = dense.source();
+        assert!(!source.contains("valid0["), "{source}");
+        assert!(!source.contains("out_valid["), "{source}");
+        let cases = [
+            sum(Expr::col("x"), Expr::col("n")),
+            sum(Expr::col("x"), Expr::Literal(Literal::Null)),
+            sum(
+                Expr::col("i"),
+                Expr::Cast {
+                    arg: Arc::new(Expr::col("u")),
+                    to: DataType::Int64,
+                },
+            ),
+        ];
+        for e in cases {
+            let k = generate(&e, &schema).unwrap();
+            assert!(k.nullable, "{e}");
+            assert!(k.source().contains("out_valid[i] = "), "{e}");
+        }
+        // Testing for null makes a value that is never null.
+        let test = un(UnaryOp::IsNull, Expr::col("n"));
+        let k = generate(&test, &schema).unwrap();
+        assert!(!k.nullable);
+        assert!(k.source().contains("valid0[i]"));
+        // The same expression over a nullable column is another kernel.
+        let nullable = Schema::new(vec![Field::new("x", DataType::Float64, true)]);
+        let k = generate(&sum(Expr::col("x"), lit(1.0)), &nullable).unwrap();
+        assert_ne!(k.shape, dense.shape);
+        assert!(k.nullable);
+    }
+
+    /// A division by a power of two is a multiplication by its reciprocal (the same quotient,
+    /// to the bit); any other divisor is a division. Only an integer remainder can fail.
+    #[test]
+    fn a_division_by_a_power_of_two_multiplies_and_only_a_remainder_may_fail() {
+        let divided =
+            |divisor: Literal| bin(BinaryOp::Div, Expr::col("fare"), Expr::Literal(divisor));
+        for (divisor, reciprocal) in [
+            (Literal::Float64(2.0), 0.5),
+            (Literal::Float64(-0.25), -4.0),
+            (Literal::Int64(-8), -0.125),
+            (Literal::UInt64(1 << 20), 1.0 / (1u64 << 20) as f64),
+        ] {
+            let k = generate(&divided(divisor.clone()), &schema()).unwrap();
+            assert_eq!(k.shape, "Div($0:Float64, ?2^k) [nullable Float64]");
+            assert_eq!(k.literals, vec![LiteralArg::F64(reciprocal)], "{divisor:?}");
+            let source = k.source();
+            assert!(source.contains("* lit0;"), "{source}");
+            assert!(!source.contains(" / "), "{source}");
+            assert!(!k.may_fail);
+        }
+        for divisor in [
+            Literal::Float64(3.0),
+            Literal::Float64(0.0),
+            Literal::Float64(f64::INFINITY),
+            Literal::Float64(f64::NAN),
+            // Its reciprocal, 2^-1023, is not a normal double.
+            Literal::Float64(2f64.powi(1023)),
+            Literal::Float64(5e-324),
+            Literal::Int64(6),
+            Literal::Int64(0),
+            Literal::Null,
+        ] {
+            let k = generate(&divided(divisor.clone()), &schema()).unwrap();
+            assert!(!k.shape.contains("2^k"), "{divisor:?}: {}", k.shape);
+            assert!(k.source().contains(" / "), "{divisor:?}");
+        }
+        let remainder = bin(
+            BinaryOp::Rem,
+            Expr::col("passengers"),
+            Expr::Literal(Literal::Int64(3)),
+        );
+        assert!(generate(&remainder, &schema()).unwrap().may_fail);
+        let float_remainder = bin(BinaryOp::Rem, Expr::col("fare"), Expr::col("km"));
+        assert!(!generate(&float_remainder, &schema()).unwrap().may_fail);
     }
 
     #[test]

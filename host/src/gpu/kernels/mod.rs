@@ -11,14 +11,17 @@ pub mod fused;
 #[cfg(test)]
 pub(crate) mod tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+
+use arrow::datatypes::Schema;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use super::detect::nvrtc_library_present;
 use super::emulator::{EmulatedKernel, EmulatedModule};
+use crate::expr::Expr;
 
 /// The fixed kernels' CUDA C.
 pub const FIXED_SOURCE: &str = include_str!("fixed.cu");
@@ -172,10 +175,24 @@ enum Modules {
     },
 }
 
+/// How many generated kernels [`KernelCache::plan`] keeps.
+const PLANS: usize = 64;
+
+/// An expression's generated kernel, for the table schema it was generated over.
+struct Plan {
+    expr: Expr,
+    schema: Schema,
+    kernel: Arc<fused::FusedKernel>,
+}
+
 /// The worker's compiled kernels.
 pub struct KernelCache {
     modules: Modules,
     fused: Mutex<HashMap<String, Kernel>>,
+    /// The kernels generated for the expressions evaluated last, most recent first: a task
+    /// evaluates one expression batch after batch, and generating its source costs more than
+    /// launching it.
+    plans: Mutex<VecDeque<Plan>>,
     stats: Mutex<CacheStats>,
 }
 
@@ -217,6 +234,7 @@ impl KernelCache {
         KernelCache {
             modules,
             fused: Mutex::new(HashMap::new()),
+            plans: Mutex::new(VecDeque::new()),
             stats: Mutex::new(CacheStats::default()),
         }
     }
@@ -235,6 +253,36 @@ impl KernelCache {
             }
             Modules::Emulated { fixed } => fixed.kernel(name).map(Kernel::Emulated),
         }
+    }
+
+    /// [`fused::generate`] of `expr` over `schema`, or the kernel generated for an identical
+    /// expression and schema before.
+    pub fn plan(
+        &self,
+        expr: &Expr,
+        schema: &Schema,
+    ) -> Result<Arc<fused::FusedKernel>, fused::CodegenError> {
+        let lock = || self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        {
+            let mut plans = lock();
+            let found = plans
+                .iter()
+                .position(|plan| plan.expr.identical(expr) && plan.schema == *schema);
+            if let Some(plan) = found.and_then(|position| plans.remove(position)) {
+                let kernel = plan.kernel.clone();
+                plans.push_front(plan);
+                return Ok(kernel);
+            }
+        }
+        let kernel = Arc::new(fused::generate(expr, schema)?);
+        let mut plans = lock();
+        plans.push_front(Plan {
+            expr: expr.clone(),
+            schema: schema.clone(),
+            kernel: kernel.clone(),
+        });
+        plans.truncate(PLANS);
+        Ok(kernel)
     }
 
     /// The compiled kernel of `kernel`'s shape, compiling it on first use.
