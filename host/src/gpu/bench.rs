@@ -196,23 +196,44 @@ fn device_operator_benchmark() {
         || ops::evaluate(&runtime, &device, &added),
         || cpu::eval::evaluate(&added, &batch).unwrap(),
     );
-    // Both passes again with one row per thread, against the default's two.
-    let one_row = |name: &str, expr: &Expr| {
-        let seconds = time_device(&runtime, name, 5, || {
-            ops::evaluate_rows_per_thread(&runtime, &device, expr, 1)
+    // Both passes again with one row per thread, against the default's two, and the haversine
+    // with its registers capped so that more threads fit on a multiprocessor (occupancy: the
+    // kernel waits on its loads half of the time).
+    let variant = |name: &str, expr: &Expr, tag: &str, edit: (&str, &str), rows: usize| {
+        let kernel = runtime
+            .kernels
+            .plan(expr, &ops::validity_schema(&device))
+            .ok()?;
+        let kernel = match tag {
+            "" => kernel.as_ref().clone(),
+            tag => kernel.variant(tag, edit.0, edit.1),
+        };
+        let label = format!("{name} {tag} {rows} row(s)/thread");
+        let seconds = time_device(&runtime, &label, 5, || {
+            ops::run_fused(&runtime, &device, expr, &kernel, rows)
         });
         if let Some(seconds) = seconds {
-            println!(
-                "  {name:<16} gpu {:>9.2} ms   with 1 row a thread",
-                seconds * 1e3
-            );
+            println!("  {label:<44} gpu {:>9.3} ms", seconds * 1e3);
         }
-        seconds
+        Some((label, seconds?))
     };
-    let one_row_passes = [
-        ("haversine", one_row("haversine", &expr)),
-        ("column-add", one_row("column-add", &added)),
-    ];
+    let bounds = |blocks: u32| {
+        (
+            "__launch_bounds__(256)".to_string(),
+            format!("__launch_bounds__(256, {blocks})"),
+        )
+    };
+    let (b7, b8) = (bounds(7), bounds(8));
+    let variants: Vec<(String, f64)> = [
+        variant("haversine", &expr, "", ("", ""), 1),
+        variant("column-add", &added, "", ("", ""), 1),
+        variant("haversine", &expr, "min-blocks-7", (&b7.0, &b7.1), 2),
+        variant("haversine", &expr, "min-blocks-8", (&b8.0, &b8.1), 2),
+        variant("haversine", &expr, "min-blocks-8", (&b8.0, &b8.1), 1),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     // What each pass writes: its values, and a validity byte a row if its result can be null
     // (not here: the coordinates have no nulls).
     let written = ops::evaluate(&runtime, &device, &expr).unwrap();
@@ -282,12 +303,12 @@ fn device_operator_benchmark() {
     let passes: Vec<(String, f64)> = [("haversine", haversine), ("column-add", column_add)]
         .into_iter()
         .map(|(name, seconds)| (name.to_string(), seconds))
-        .chain(
-            one_row_passes
-                .into_iter()
-                .map(|(name, seconds)| (format!("{name}, 1 row/thread"), seconds)),
-        )
         .filter_map(|(name, seconds)| Some((name, bandwidth(seconds?))))
+        .chain(
+            variants
+                .into_iter()
+                .map(|(label, seconds)| (label, bandwidth(seconds))),
+        )
         .collect();
     println!("  bytes per row: 40 read and written, {validity_bytes} of validity");
     for (name, achieved) in &passes {

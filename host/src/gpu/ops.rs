@@ -224,7 +224,7 @@ fn copy_column(runtime: &GpuRuntime, column: &DeviceColumn) -> Result<DeviceColu
     Ok(gather_column(runtime, column, &indices, column.len, false)?)
 }
 
-/// How many rows each thread of a fused kernel evaluates (see [`evaluate_rows_per_thread`]).
+/// How many rows each thread of a fused kernel evaluates (see [`run_fused`]).
 const FUSED_ROWS_PER_THREAD: usize = 2;
 
 /// `expr` over `table`, in one fused kernel.
@@ -233,26 +233,28 @@ pub fn evaluate(
     table: &DeviceTable,
     expr: &Expr,
 ) -> Result<DeviceColumn, GpuOpError> {
-    evaluate_rows_per_thread(runtime, table, expr, FUSED_ROWS_PER_THREAD)
-}
-
-/// [`evaluate`] with a grid of one thread per `rows_per_thread` rows. A thread evaluates its
-/// rows two at a time, so two overlap the latency of one's loads and of its arithmetic (a
-/// haversine's double-precision sines and arcsine); with one row per thread the GPU hides
-/// latency with more threads alone. The benchmark measures both.
-pub fn evaluate_rows_per_thread(
-    runtime: &GpuRuntime,
-    table: &DeviceTable,
-    expr: &Expr,
-    rows_per_thread: usize,
-) -> Result<DeviceColumn, GpuOpError> {
     match expr {
         Expr::Column(name) => return copy_column(runtime, column_of(table, "evaluate", name)?),
         Expr::Literal(Literal::Utf8(text)) => return repeated_string(runtime, text, table.rows),
         _ => {}
     }
     let kernel = runtime.kernels.plan(expr, &validity_schema(table))?;
-    let function = runtime.kernels.fused(&kernel)?;
+    run_fused(runtime, table, expr, &kernel, FUSED_ROWS_PER_THREAD)
+}
+
+/// Runs `kernel`, the fused kernel of `expr` over `table`, on a grid of one thread per
+/// `rows_per_thread` rows. A thread evaluates its rows two at a time, so two overlap the
+/// latency of one's loads and of its arithmetic (a haversine's double-precision sines and
+/// arcsine); with one row per thread the GPU hides latency with more threads alone. The
+/// benchmark measures both.
+pub(crate) fn run_fused(
+    runtime: &GpuRuntime,
+    table: &DeviceTable,
+    expr: &Expr,
+    kernel: &fused::FusedKernel,
+    rows_per_thread: usize,
+) -> Result<DeviceColumn, GpuOpError> {
+    let function = runtime.kernels.fused(kernel)?;
     let n = table.rows;
     // Only a kernel that can fail has an error flag to read back, which waits for it; any
     // other evaluation is queued on the stream and returns at once.
@@ -337,7 +339,7 @@ pub fn evaluate_rows_per_thread(
 /// `table`'s schema with each field nullable exactly where its device column has a validity
 /// buffer, as the kernel generator reads it: the validity of a column without one is never
 /// read, and a column with one is never taken to have no nulls.
-fn validity_schema(table: &DeviceTable) -> Schema {
+pub(crate) fn validity_schema(table: &DeviceTable) -> Schema {
     let fields = table.schema.fields().iter().zip(&table.columns);
     Schema::new(
         fields

@@ -191,6 +191,17 @@ impl FusedKernel {
         self.body.replace("__KERNEL_NAME__", name)
     }
 
+    /// A copy whose source has `from` replaced by `to`, its shape marked with `tag`: a variant
+    /// the benchmark compiles and times beside the generated kernel.
+    #[cfg(test)]
+    pub(crate) fn variant(&self, tag: &str, from: &str, to: &str) -> FusedKernel {
+        FusedKernel {
+            shape: format!("{} variant {tag}", self.shape),
+            body: self.body.replace(from, to),
+            ..self.clone()
+        }
+    }
+
     /// The complete CUDA C source of the module: prelude and the kernel [`KERNEL_NAME`].
     pub fn source(&self) -> String {
         format!("{PRELUDE}\n{}", self.function(KERNEL_NAME))
