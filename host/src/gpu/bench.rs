@@ -196,44 +196,50 @@ fn device_operator_benchmark() {
         || ops::evaluate(&runtime, &device, &added),
         || cpu::eval::evaluate(&added, &batch).unwrap(),
     );
-    // Both passes again with one row per thread, against the default's two, and the haversine
-    // with its registers capped so that more threads fit on a multiprocessor (occupancy: the
-    // kernel waits on its loads half of the time).
-    let variant = |name: &str, expr: &Expr, tag: &str, edit: (&str, &str), rows: usize| {
+    // The fused kernels launched otherwise: each pass with BENCH_FUSED_ROWS rows a thread (a
+    // grid of fewer, longer-lived threads), the haversine also with its registers capped so
+    // that BENCH_FUSED_MIN_BLOCKS blocks fit on a multiprocessor (0: as generated). The
+    // haversine's kernel waits on its loads half of the time: more threads resident, or more
+    // rows in flight per thread, can hide that.
+    let list = |name: &str, default: &str| -> Vec<usize> {
+        std::env::var(name)
+            .unwrap_or_else(|_| default.into())
+            .split(',')
+            .filter_map(|v| v.trim().parse().ok())
+            .collect()
+    };
+    let variant = |name: &str, expr: &Expr, min_blocks: usize, rows: usize| {
         let kernel = runtime
             .kernels
             .plan(expr, &ops::validity_schema(&device))
             .ok()?;
-        let kernel = match tag {
-            "" => kernel.as_ref().clone(),
-            tag => kernel.variant(tag, edit.0, edit.1),
+        let generated = format!("__launch_bounds__({})", super::exec::BLOCK);
+        let kernel = match min_blocks {
+            0 => kernel.as_ref().clone(),
+            blocks => kernel.variant(
+                &format!("min-blocks-{blocks}"),
+                &generated,
+                &format!("__launch_bounds__({}, {blocks})", super::exec::BLOCK),
+            ),
         };
-        let label = format!("{name} {tag} {rows} row(s)/thread");
+        let label = format!("{name}, {rows} rows/thread, min blocks {min_blocks}");
         let seconds = time_device(&runtime, &label, 5, || {
             ops::run_fused(&runtime, &device, expr, &kernel, rows)
         });
         if let Some(seconds) = seconds {
-            println!("  {label:<44} gpu {:>9.3} ms", seconds * 1e3);
+            println!("  {label:<48} gpu {:>9.3} ms", seconds * 1e3);
         }
         Some((label, seconds?))
     };
-    let bounds = |blocks: u32| {
-        (
-            "__launch_bounds__(256)".to_string(),
-            format!("__launch_bounds__(256, {blocks})"),
-        )
-    };
-    let (b7, b8) = (bounds(7), bounds(8));
-    let variants: Vec<(String, f64)> = [
-        variant("haversine", &expr, "", ("", ""), 1),
-        variant("column-add", &added, "", ("", ""), 1),
-        variant("haversine", &expr, "min-blocks-7", (&b7.0, &b7.1), 2),
-        variant("haversine", &expr, "min-blocks-8", (&b8.0, &b8.1), 2),
-        variant("haversine", &expr, "min-blocks-8", (&b8.0, &b8.1), 1),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    let rows_per_thread = list("BENCH_FUSED_ROWS", "1,2,4,8,16,74,99");
+    let min_blocks = list("BENCH_FUSED_MIN_BLOCKS", "0,7,8");
+    let mut variants: Vec<(String, f64)> = Vec::new();
+    for &rows in &rows_per_thread {
+        variants.extend(variant("column-add", &added, 0, rows));
+        for &blocks in &min_blocks {
+            variants.extend(variant("haversine", &expr, blocks, rows));
+        }
+    }
     // What each pass writes: its values, and a validity byte a row if its result can be null
     // (not here: the coordinates have no nulls).
     let written = ops::evaluate(&runtime, &device, &expr).unwrap();
@@ -311,24 +317,21 @@ fn device_operator_benchmark() {
         )
         .collect();
     println!("  bytes per row: 40 read and written, {validity_bytes} of validity");
+    let peak = peak_bandwidth(&runtime);
+    let copy = copy_bandwidth(&runtime);
+    println!(
+        "  card peak memory bandwidth (NVML) {}, device-to-device copy (bytes read + written) {:.1} GB/s",
+        peak.map_or("unknown".into(), |peak| format!("{:.1} GB/s", peak / 1e9)),
+        copy / 1e9
+    );
     for (name, achieved) in &passes {
-        println!("  {name} effective bandwidth {:.1} GB/s", achieved / 1e9);
+        let of_peak = peak.map_or("?".into(), |peak| format!("{:.0}", 100.0 * achieved / peak));
+        println!(
+            "  {name:<48} effective bandwidth {:>7.1} GB/s = {of_peak}% of the peak, {:.0}% of the copy",
+            achieved / 1e9,
+            100.0 * achieved / copy
+        );
     }
-    let shares = |card: f64| {
-        let of_card: Vec<String> = passes
-            .iter()
-            .map(|(name, achieved)| format!("{name} at {:.0}%", 100.0 * achieved / card))
-            .collect();
-        format!("{:.1} GB/s, {}", card / 1e9, of_card.join(", "))
-    };
-    println!(
-        "  card peak memory bandwidth (NVML) {}",
-        peak_bandwidth(&runtime).map_or("unknown".into(), shares)
-    );
-    println!(
-        "  device-to-device copy (bytes read + written) {}",
-        shares(copy_bandwidth(&runtime))
-    );
 }
 
 /// The four coordinates added up: the haversine's inputs and output, without its arithmetic.
