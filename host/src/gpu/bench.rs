@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use arrow::array::{ArrayRef, Float64Array, Int32Array, Int64Array, RecordBatch};
 
+use super::kernels::fused::MIN_BLOCKS;
 use super::table::{DeviceTable, download, upload};
 use super::{GpuRuntime, nvml, ops};
 use crate::cpu;
@@ -198,7 +199,8 @@ fn device_operator_benchmark() {
     );
     // The fused kernels launched otherwise: each pass with BENCH_FUSED_ROWS rows a thread (a
     // grid of fewer, longer-lived threads), the haversine also with its registers capped so
-    // that BENCH_FUSED_MIN_BLOCKS blocks fit on a multiprocessor (0: as generated). The
+    // that BENCH_FUSED_MIN_BLOCKS blocks fit on a multiprocessor (the generated kernels ask for
+    // `fused::MIN_BLOCKS`; 1 lets the compiler use all the registers it likes). The
     // haversine's kernel waits on its loads half of the time: more threads resident, or more
     // rows in flight per thread, can hide that.
     let list = |name: &str, default: &str| -> Vec<usize> {
@@ -213,9 +215,9 @@ fn device_operator_benchmark() {
             .kernels
             .plan(expr, &ops::validity_schema(&device))
             .ok()?;
-        let generated = format!("__launch_bounds__({})", super::exec::BLOCK);
-        let kernel = match min_blocks {
-            0 => kernel.as_ref().clone(),
+        let generated = format!("__launch_bounds__({}, {MIN_BLOCKS})", super::exec::BLOCK);
+        let kernel = match min_blocks as u32 {
+            MIN_BLOCKS => kernel.as_ref().clone(),
             blocks => kernel.variant(
                 &format!("min-blocks-{blocks}"),
                 &generated,
@@ -231,8 +233,8 @@ fn device_operator_benchmark() {
         }
         Some((label, seconds?))
     };
-    let rows_per_thread = list("BENCH_FUSED_ROWS", "1,2,4,8,16,74,99");
-    let min_blocks = list("BENCH_FUSED_MIN_BLOCKS", "0,7,8");
+    let rows_per_thread = list("BENCH_FUSED_ROWS", "1,2,4,16");
+    let min_blocks = list("BENCH_FUSED_MIN_BLOCKS", "1,7,8");
     let mut variants: Vec<(String, f64)> = Vec::new();
     for &rows in &rows_per_thread {
         variants.extend(variant("column-add", &added, 0, rows));

@@ -223,7 +223,7 @@ fn the_generator_covers_every_node_kind() {
         assert!(
             kernel
                 .source()
-                .contains("extern \"C\" __global__ void __launch_bounds__(256) wrk_fused(")
+                .contains("extern \"C\" __global__ void __launch_bounds__(256, 7) wrk_fused(")
         );
     }
 }
