@@ -224,11 +224,12 @@ fn copy_column(runtime: &GpuRuntime, column: &DeviceColumn) -> Result<DeviceColu
     Ok(gather_column(runtime, column, &indices, column.len, false)?)
 }
 
-/// How many rows each thread of a fused kernel evaluates (see [`run_fused`]): on an H200, the
-/// haversine over 20 M rows took 0.270 ms with 1, 0.259 with 2 and 0.254 with 4, 8 or 16
-/// (0.248, 0.247 and 0.246 with its registers capped as now), and 0.274-0.311 with a grid of
-/// one or two waves of longer-lived threads (74 or 99 rows each).
-const FUSED_ROWS_PER_THREAD: usize = 4;
+/// How many rows each thread of a fused kernel evaluates (see [`run_fused`]). With the
+/// registers capped for 7 resident blocks (`fused::MIN_BLOCKS`), the haversine over 20 M rows
+/// took, with 1, 2, 4 and 16 rows a thread, 0.247, 0.247, 0.246 and 0.251 ms on an H200 and
+/// 0.280, 0.291, 0.300 and 0.299 ms on an H100: more rows a thread gained nothing once enough
+/// threads were resident. (Past 2^28 rows the grid is capped and threads take several.)
+const FUSED_ROWS_PER_THREAD: usize = 1;
 
 /// `expr` over `table`, in one fused kernel.
 pub fn evaluate(
@@ -246,10 +247,10 @@ pub fn evaluate(
 }
 
 /// Runs `kernel`, the fused kernel of `expr` over `table`, on a grid of one thread per
-/// `rows_per_thread` rows. A thread evaluates its rows two at a time, so two overlap the
-/// latency of one's loads and of its arithmetic (a haversine's double-precision sines and
-/// arcsine); with one row per thread the GPU hides latency with more threads alone. The
-/// benchmark measures both.
+/// `rows_per_thread` rows. A thread with several rows evaluates them two at a time, so two
+/// overlap the latency of one's loads and of its arithmetic (a haversine's double-precision
+/// sines and arcsine); with one row per thread the GPU hides latency with more threads alone.
+/// The benchmark measures both.
 pub(crate) fn run_fused(
     runtime: &GpuRuntime,
     table: &DeviceTable,

@@ -30,9 +30,9 @@ use crate::guest_api::wit::{BinaryOp, UnaryOp};
 /// The blocks of [`BLOCK`] threads a fused kernel must fit on a multiprocessor at once: the
 /// compiler keeps its registers to 65,536 / (7 x 256) = 36 a thread. A kernel heavy in
 /// arithmetic waits on its loads half of the time, and more resident threads hide that: the
-/// haversine's kernel used 38 registers (6 blocks) and took 0.259 ms over 20 M rows on an H200,
-/// 0.247 ms with 7 (8 gave no more). A kernel of few registers (a column sum: 32) is not
-/// changed by it.
+/// haversine's kernel used 38 registers (6 blocks) and took 0.270 ms over 20 M rows on an H200
+/// (0.309 ms on an H100), and 0.247 ms (0.280 ms) with 7; 8 gave no more. A kernel of few
+/// registers (a column sum: 32) is not changed by it.
 pub const MIN_BLOCKS: u32 = 7;
 
 /// The name of the kernel in a generated module.
