@@ -424,25 +424,10 @@ pub fn gather_column(
                 column: "gathered".into(),
                 data_type: other.clone(),
             })?;
-            let values = alloc(runtime, m, width)?;
-            let kernel = match width {
-                1 => "wrk_gather_1",
-                2 => "wrk_gather_2",
-                4 => "wrk_gather_4",
-                _ => "wrk_gather_8",
-            };
-            run(
-                runtime,
-                kernel,
-                m,
-                &[
-                    Arg::Buf(&column.values),
-                    Arg::Buf(indices),
-                    Arg::Buf(&values),
-                    rows,
-                ],
-            )?;
-            (values, None)
+            (
+                gather_values(runtime, &column.values, width, indices, m)?,
+                None,
+            )
         }
     };
     Ok(DeviceColumn {
@@ -452,6 +437,35 @@ pub fn gather_column(
         offsets,
         validity,
     })
+}
+
+/// `values[indices[i]]` for `i` in `0..m`, each value `width` bytes (1, 2, 4 or 8).
+pub fn gather_values(
+    runtime: &GpuRuntime,
+    values: &DeviceBuffer,
+    width: usize,
+    indices: &DeviceBuffer,
+    m: usize,
+) -> Result<DeviceBuffer, ExecError> {
+    let out = alloc(runtime, m, width)?;
+    let kernel = match width {
+        1 => "wrk_gather_1",
+        2 => "wrk_gather_2",
+        4 => "wrk_gather_4",
+        _ => "wrk_gather_8",
+    };
+    run(
+        runtime,
+        kernel,
+        m,
+        &[
+            Arg::Buf(values),
+            Arg::Buf(indices),
+            Arg::Buf(&out),
+            Arg::I64(m as i64),
+        ],
+    )?;
+    Ok(out)
 }
 
 /// Rows `indices[0..m]` of every column of `table`.
@@ -515,18 +529,7 @@ pub fn radix_sort(
     if shifts.is_empty() {
         return Ok(perm);
     }
-    let mut keys = alloc(runtime, n, 8)?;
-    run(
-        runtime,
-        "wrk_gather_8",
-        n,
-        &[
-            Arg::Buf(words),
-            Arg::Buf(&perm),
-            Arg::Buf(&keys),
-            Arg::I64(n as i64),
-        ],
-    )?;
+    let mut keys = gather_values(runtime, words, 8, &perm, n)?;
     let tiles = n.div_ceil(RADIX_TILE);
     let config = LaunchConfig {
         grid_dim: (tiles as u32, 1, 1),

@@ -18,7 +18,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use arrow::datatypes::DataType;
 
 use super::GpuRuntime;
-use super::exec::{Arg, alloc, filled_u32, iota, radix_sort, read_u32, run, selected_rows};
+use super::exec::{
+    Arg, alloc, filled_u32, gather_values, iota, radix_sort, read_u32, run, selected_rows,
+};
 use super::ops::{GpuOpError, hash_collision, string_offsets};
 use super::pool::DeviceBuffer;
 use super::table::DeviceColumn;
@@ -63,31 +65,9 @@ impl JoinIndex {
             ],
         )?;
         let (valid, b) = selected_rows(runtime, &valid_flags, all)?;
-        let build_words = alloc(runtime, b, 8)?;
-        run(
-            runtime,
-            "wrk_gather_8",
-            b,
-            &[
-                Arg::Buf(words),
-                Arg::Buf(&valid),
-                Arg::Buf(&build_words),
-                Arg::I64(b as i64),
-            ],
-        )?;
+        let build_words = gather_values(runtime, words, 8, &valid, b)?;
         let order = radix_sort(runtime, &build_words, iota(runtime, 0, b)?, b)?;
-        let build_order = alloc(runtime, b, 4)?;
-        run(
-            runtime,
-            "wrk_gather_4",
-            b,
-            &[
-                Arg::Buf(&valid),
-                Arg::Buf(&order),
-                Arg::Buf(&build_order),
-                Arg::I64(b as i64),
-            ],
-        )?;
+        let build_order = gather_values(runtime, &valid, 4, &order, b)?;
         if key.data_type == DataType::Utf8 {
             let mismatches = filled_u32(runtime, 1, 0)?;
             run(

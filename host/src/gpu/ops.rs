@@ -36,7 +36,8 @@ use arrow::datatypes::{DataType, Field, Schema};
 use super::GpuRuntime;
 use super::exec::{
     self, Arg, ExecError, NONE, alloc, check_rows, filled_u8, filled_u32, filled_u64,
-    gather_column, gather_table, iota, radix_sort, run, run_accumulate, selected_rows,
+    gather_column, gather_table, gather_values, iota, radix_sort, run, run_accumulate,
+    selected_rows,
 };
 use super::join_index::JoinIndex;
 use super::kernels::fused::{self, CodegenError, LiteralArg};
@@ -592,18 +593,7 @@ pub fn hash_partition(
         let count = u32::from_le_bytes([count[0], count[1], count[2], count[3]]);
         let rows = count as usize;
         let positions = iota(runtime, start, rows)?;
-        let indices = alloc(runtime, rows, 4)?;
-        run(
-            runtime,
-            "wrk_gather_4",
-            rows,
-            &[
-                Arg::Buf(&order),
-                Arg::Buf(&positions),
-                Arg::Buf(&indices),
-                Arg::I64(rows as i64),
-            ],
-        )?;
+        let indices = gather_values(runtime, &order, 4, &positions, rows)?;
         parts.push(gather_table(runtime, table, &indices, rows)?);
         start += count;
     }
